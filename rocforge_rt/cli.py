@@ -1,0 +1,108 @@
+"""The `rocforge` command: generate, convert, models."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rocforge_rt.backends import BACKEND_NAMES
+from rocforge_rt.errors import RocforgeError
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from rocforge_rt.engine.engine import Engine
+    from rocforge_rt.engine.generate import Generation
+    from rocforge_rt.engine.sampling import SamplingParams
+    from rocforge_rt.model.default_model import ensure_default_model
+
+    model_path = Path(args.model) if args.model else ensure_default_model()
+    engine = Engine.load(model_path, backend=args.backend, n_ctx=args.ctx_size)
+    text = args.prompt
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
+    prompt = engine.tokenizer.encode(text)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    generation = Generation(
+        engine, prompt, sampling=sampling, stop=args.stop, max_tokens=args.max_tokens
+    )
+    for event in generation:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = generation.stats
+    print(
+        f"backend={engine.backend.name} prompt_tokens={s.prompt_tokens}"
+        f" generated_tokens={s.generated_tokens} finish_reason={s.finish_reason}\n"
+        f"TTFT {s.ttft_s * 1000:.1f} ms | prompt {s.prompt_tokens_per_s:.1f} tok/s"
+        f" | decode {s.decode_tokens_per_s:.1f} tok/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from rocforge_rt.model.convert import convert_to_q4_0
+
+    out = convert_to_q4_0(Path(args.input), Path(args.output), progress=not args.quiet)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_models_default(args: argparse.Namespace) -> int:
+    from rocforge_rt.model.default_model import MODELS_DIR, ensure_default_model
+
+    models_dir = Path(args.models_dir) if args.models_dir else MODELS_DIR
+    print(ensure_default_model(models_dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rocforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt (text to stdout)")
+    gen.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
+    gen.add_argument("--system", help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ctx-size", type=int, default=2048)
+    gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    gen.set_defaults(func=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="requantize a GGUF's linear weights to Q4_0")
+    conv.add_argument("input")
+    conv.add_argument("output")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_cmd_convert)
+
+    models = sub.add_parser("models", help="manage models")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    default = models_sub.add_parser("default", help="build the default model (idempotent)")
+    default.add_argument("--models-dir", help="folder for the converted model")
+    default.set_defaults(func=_cmd_models_default)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RocforgeError as exc:
+        print(f"rocforge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rocforge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The one transformer forward: the step plan, written once over a backend's ops.
+
+Each backend supplies the ops below (numpy functions on the CPU, fused kernels
+on a GPU). The GPU backends record the same sequence of ops into launch
+handles and a graph; the CPU backend runs them at once.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.model.gguf_file import ModelFile
+
+# Per layer, in order: the launches a decode step makes (DESIGN.md, launch budget).
+LAYER_OPS = (
+    "norm_matmul",  # RMSNorm folded into the fused Q|K|V GEMV
+    "rope_kv_append",  # rotate q and k, write k and v into the KV pool
+    "attention",  # grouped-query attention over the slot's cache
+    "matmul_add",  # O projection + residual
+    "norm_gate_up_swiglu",  # RMSNorm folded into the fused gate|up GEMV, SwiGLU epilogue
+    "matmul_add",  # down projection + residual
+)
+
+
+@dataclass
+class LayerWeights:
+    """One layer's weights as a backend holds them; Q|K|V and gate|up are row-stacked."""
+
+    attn_norm: Any
+    wqkv: Any
+    wo: Any
+    ffn_norm: Any
+    wgate_up: Any
+    wdown: Any
+
+
+@dataclass
+class ModelWeights:
+    """All weights of a model as a backend holds them."""
+
+    token_embd: Any
+    layers: list[LayerWeights]
+    output_norm: Any
+    lm_head: Any
+
+
+class WeightUploader(Protocol):
+    """How a backend takes a GGUF tensor (or several stacked by rows) into its own form."""
+
+    def linear(self, *tensors: Any) -> Any: ...
+    def vector(self, tensor: Any) -> Any: ...
+    def embedding(self, tensor: Any) -> Any: ...
+
+
+class ForwardOps(Protocol):
+    """The ops of one forward pass; activations are whatever the backend passes between them."""
+
+    def embed(self, table: Any, batch: StepBatch) -> Any: ...
+    def norm_matmul(self, x: Any, norm: Any, weight: Any) -> Any: ...
+    def rope_kv_append(self, qkv: Any, layer: int, batch: StepBatch) -> Any: ...
+    def attention(self, q: Any, layer: int, batch: StepBatch) -> Any: ...
+    def matmul_add(self, x: Any, weight: Any, residual: Any) -> Any: ...
+    def norm_gate_up_swiglu(self, x: Any, norm: Any, weight: Any) -> Any: ...
+    def lm_head(self, x: Any, norm: Any, weight: Any, batch: StepBatch) -> Any: ...
+
+
+def upload_weights(model: ModelFile, uploader: WeightUploader) -> ModelWeights:
+    """Take a validated model's tensors into a backend, stacking Q|K|V and gate|up."""
+    layers = [
+        LayerWeights(
+            attn_norm=uploader.vector(model.layer(i, "attn_norm")),
+            wqkv=uploader.linear(
+                model.layer(i, "attn_q"), model.layer(i, "attn_k"), model.layer(i, "attn_v")
+            ),
+            wo=uploader.linear(model.layer(i, "attn_output")),
+            ffn_norm=uploader.vector(model.layer(i, "ffn_norm")),
+            wgate_up=uploader.linear(model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")),
+            wdown=uploader.linear(model.layer(i, "ffn_down")),
+        )
+        for i in range(model.hparams.n_layer)
+    ]
+    token_embd = uploader.embedding(model.tensor("token_embd.weight"))
+    lm_head = (
+        token_embd
+        if model.hparams.tied_embeddings
+        else uploader.linear(model.tensor("output.weight"))
+    )
+    return ModelWeights(
+        token_embd=token_embd,
+        layers=layers,
+        output_norm=uploader.vector(model.tensor("output_norm.weight")),
+        lm_head=lm_head,
+    )
+
+
+def forward(ops: ForwardOps, weights: ModelWeights, batch: StepBatch) -> Any:
+    """Run every layer over the batch; return the logits of `batch.logit_rows`."""
+    x = ops.embed(weights.token_embd, batch)
+    for index, layer in enumerate(weights.layers):
+        qkv = ops.norm_matmul(x, layer.attn_norm, layer.wqkv)
+        q = ops.rope_kv_append(qkv, index, batch)
+        attn = ops.attention(q, index, batch)
+        x = ops.matmul_add(attn, layer.wo, x)
+        h = ops.norm_gate_up_swiglu(x, layer.ffn_norm, layer.wgate_up)
+        x = ops.matmul_add(h, layer.wdown, x)
+    return ops.lm_head(x, weights.output_norm, weights.lm_head, batch)

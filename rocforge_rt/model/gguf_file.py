@@ -1,0 +1,434 @@
+"""GGUF model files: memory-mapped loading with validation, and atomic writing.
+
+`load_model_file` maps a GGUF read-only (tensor data is never copied) and checks
+that it describes a llama-family model this runtime can run: metadata, RoPE
+form, tensor set, shapes and types. Every problem raises `ModelFormatError`
+naming the file, the key or tensor, what was expected, what was found and the fix.
+
+`write_gguf` is the one GGUF writer of the package (conversion and synthetic
+models): it streams tensors one at a time into a temporary file that replaces
+the destination only once complete.
+"""
+
+import os
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValue, GGUFValueType
+from tqdm import tqdm
+
+from rocforge_rt.errors import ModelFormatError
+from rocforge_rt.model.gguf_metadata import read_metadata
+from rocforge_rt.model.hparams import HParams
+
+Q = GGMLQuantizationType
+LINEAR_SUFFIXES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+NORM_SUFFIXES = ("attn_norm", "ffn_norm")
+EMBEDDING_TYPES = (Q.Q4_0, Q.Q8_0, Q.F16, Q.F32)
+SUPPORTED_VERSIONS = (2, 3)
+CONVERT_FIX = "convert it with `rocforge convert IN OUT`"
+REDOWNLOAD_FIX = "re-download the file (or re-run the conversion that wrote it)"
+RECONVERT_FIX = (
+    "re-convert the original model with llama.cpp's convert_hf_to_gguf.py, "
+    "then `rocforge convert IN OUT`"
+)
+MISSING_KEY_FIX = "the file is not a complete llama GGUF; " + RECONVERT_FIX
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One tensor of a model file, its data a zero-copy view of the mapped file."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: (n_out, n_in) for 2-D weights, (n,) for norms
+    data: np.ndarray  # quantized: uint8 (n_out, row_bytes); F32/F16 as such; BF16 as uint16
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A validated llama GGUF: metadata as plain values, hyper-parameters, mapped tensors."""
+
+    path: Path
+    metadata: dict[str, Any]
+    hparams: HParams
+    tensors: dict[str, WeightTensor]
+
+    def tensor(self, name: str) -> WeightTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path} has no tensor {name!r}") from None
+
+    def layer(self, i: int, suffix: str) -> WeightTensor:
+        """The weight `blk.{i}.{suffix}.weight`, e.g. layer(3, "attn_q")."""
+        return self.tensor(f"blk.{i}.{suffix}.weight")
+
+    @property
+    def lm_head(self) -> WeightTensor:
+        """output.weight, or token_embd.weight when the embeddings are tied."""
+        return self.tensors.get("output.weight") or self.tensors["token_embd.weight"]
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Map and validate a Q4_0 llama GGUF (see the module docstring)."""
+    path = Path(path)
+    return model_from_reader(path, open_gguf(path))
+
+
+def _error(path: Path, subject: str, expected: str, found: str, fix: str) -> ModelFormatError:
+    return ModelFormatError(f"{path}: {subject}: expected {expected}, found {found}; {fix}")
+
+
+class _PastEndOfFile(Exception):
+    def __init__(self, end: int, part: str) -> None:
+        super().__init__(end, part)
+        self.end, self.part = end, part
+
+
+class _BoundedReader(gguf.GGUFReader):
+    """GGUFReader that reports a read past the end of the file instead of short arrays."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            # data_offset is set once the header and tensor table are parsed
+            part = "tensor data" if hasattr(self, "data_offset") else "header"
+            raise _PastEndOfFile(end, part)
+        return super()._get(offset, dtype, count, override_order)
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """A read-only GGUFReader on `path`; any unreadable file raises ModelFormatError."""
+    path = Path(path)
+    if not path.exists():
+        raise _error(path, "model file", "a GGUF file", "nothing at this path", "check the path")
+    if path.is_dir():
+        raise _error(path, "model file", "a GGUF file", "a directory", "pass the .gguf file")
+    size = path.stat().st_size
+    if size == 0:
+        raise _error(path, "model file", "a GGUF file", "an empty file (0 bytes)", REDOWNLOAD_FIX)
+    with path.open("rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise _error(
+            path,
+            "magic",
+            "b'GGUF'",
+            repr(head[:4]),
+            "this is not a GGUF file; export the model to GGUF with llama.cpp's "
+            "convert_hf_to_gguf.py, then " + CONVERT_FIX,
+        )
+    if len(head) < 8:
+        raise _error(path, "file size", "at least 8 bytes", f"{size} bytes", REDOWNLOAD_FIX)
+    version = int.from_bytes(head[4:8], "little")
+    if version not in SUPPORTED_VERSIONS:
+        raise _error(
+            path,
+            "GGUF version",
+            " or ".join(map(str, SUPPORTED_VERSIONS)),
+            str(version),
+            "re-export the model with a current llama.cpp / gguf-py converter (little-endian)",
+        )
+    try:
+        return _BoundedReader(path, "r")
+    except _PastEndOfFile as e:
+        raise _error(
+            path,
+            "file size",
+            f"at least {e.end} bytes (its {e.part} is cut short)",
+            f"{size} bytes: the file is truncated",
+            REDOWNLOAD_FIX,
+        ) from None
+    except Exception as e:
+        raise _error(
+            path,
+            "GGUF structure",
+            "a well-formed header and tensor table",
+            f"{type(e).__name__}: {e}",
+            "the file is corrupt; " + REDOWNLOAD_FIX,
+        ) from e
+
+
+def _int(path: Path, meta: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise _error(
+            path, f"metadata key {key!r}", "an integer", "nothing (key missing)", MISSING_KEY_FIX
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _error(
+            path, f"metadata key {key!r}", "a positive integer", repr(value), RECONVERT_FIX
+        )
+    return value
+
+
+def _float(path: Path, meta: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = meta.get(key, default)
+    if value is None:
+        raise _error(
+            path, f"metadata key {key!r}", "a number", "nothing (key missing)", MISSING_KEY_FIX
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _error(path, f"metadata key {key!r}", "a positive number", repr(value), RECONVERT_FIX)
+    return float(value)
+
+
+def _check_rope(path: Path, meta: Mapping[str, Any], arch: str, names: set[str]) -> None:
+    """Reject RoPE scaling: its factors would have to be applied, never silently ignored."""
+    fix = "RoPE scaling is not supported; use a model without it (e.g. Llama 3, SmolLM2)"
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind != "none":
+        raise _error(path, f"metadata key '{arch}.rope.scaling.type'", "'none'", repr(kind), fix)
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = meta.get(key, 1.0)
+        if factor not in (0.0, 1.0):  # llama.cpp reads 0 as "unset"
+            raise _error(path, f"metadata key {key!r}", "1.0 (no scaling)", repr(factor), fix)
+    if "rope_freqs.weight" in names:
+        raise _error(
+            path,
+            "tensor 'rope_freqs.weight'",
+            "no RoPE frequency factors",
+            "the tensor (Llama 3.1-style RoPE scaling)",
+            fix,
+        )
+
+
+def _read_hparams(path: Path, meta: Mapping[str, Any], n_vocab_embd: int, tied: bool) -> HParams:
+    """Hyper-parameters from llama metadata, with llama.cpp's defaults for optional keys."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise _error(
+            path,
+            "metadata key 'general.architecture'",
+            "'llama'",
+            "nothing (key missing)" if arch is None else repr(arch),
+            "only llama-family models (Llama 2/3, SmolLM2, ...) are supported",
+        )
+    n_embd = _int(path, meta, f"{arch}.embedding_length")
+    n_head = _int(path, meta, f"{arch}.attention.head_count")
+    n_head_kv = _int(path, meta, f"{arch}.attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise _error(
+            path,
+            f"metadata key '{arch}.attention.head_count_kv'",
+            f"a divisor of head_count {n_head}",
+            str(n_head_kv),
+            RECONVERT_FIX,
+        )
+    head_dim_k = _int(path, meta, f"{arch}.attention.key_length", n_embd // n_head or None)
+    rope_dims = _int(path, meta, f"{arch}.rope.dimension_count", head_dim_k)
+    if rope_dims > head_dim_k or rope_dims % 2:
+        raise _error(
+            path,
+            f"metadata key '{arch}.rope.dimension_count'",
+            f"an even number <= key_length {head_dim_k}",
+            str(rope_dims),
+            RECONVERT_FIX,
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return HParams(
+        arch=arch,
+        n_layer=_int(path, meta, f"{arch}.block_count"),
+        n_embd=n_embd,
+        n_ff=_int(path, meta, f"{arch}.feed_forward_length"),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=_int(path, meta, f"{arch}.attention.value_length", n_embd // n_head or None),
+        n_vocab=_int(
+            path, meta, f"{arch}.vocab_size", len(tokens) if tokens else n_vocab_embd or None
+        ),
+        n_ctx_train=_int(path, meta, f"{arch}.context_length"),
+        rope_base=_float(path, meta, f"{arch}.rope.freq_base", 10000.0),
+        rope_dims=rope_dims,
+        rms_eps=_float(path, meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        tied_embeddings=tied,
+    )
+
+
+def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], tuple[Q, ...]]]:
+    """Every tensor a llama model needs: name -> (numpy shape, accepted types)."""
+    q4 = (Q.Q4_0,)
+    linear = {
+        "attn_q": (hp.q_dim, hp.n_embd),
+        "attn_k": (hp.kv_dim_k, hp.n_embd),
+        "attn_v": (hp.kv_dim_v, hp.n_embd),
+        "attn_output": (hp.n_embd, hp.n_head * hp.head_dim_v),
+        "ffn_gate": (hp.n_ff, hp.n_embd),
+        "ffn_up": (hp.n_ff, hp.n_embd),
+        "ffn_down": (hp.n_embd, hp.n_ff),
+    }
+    spec = {"token_embd.weight": ((hp.n_vocab, hp.n_embd), EMBEDDING_TYPES)}
+    for i in range(hp.n_layer):
+        for suffix in NORM_SUFFIXES:
+            spec[f"blk.{i}.{suffix}.weight"] = ((hp.n_embd,), (Q.F32,))
+        for suffix, shape in linear.items():
+            spec[f"blk.{i}.{suffix}.weight"] = (shape, q4)
+    spec["output_norm.weight"] = ((hp.n_embd,), (Q.F32,))
+    if not hp.tied_embeddings:
+        spec["output.weight"] = ((hp.n_vocab, hp.n_embd), EMBEDDING_TYPES)
+    return spec
+
+
+def _weight_tensor(t: gguf.ReaderTensor) -> WeightTensor:
+    data = t.data.view(np.uint16) if t.tensor_type == Q.BF16 else t.data
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return WeightTensor(t.name, Q(t.tensor_type), shape, data)
+
+
+def model_from_reader(
+    path: Path, reader: gguf.GGUFReader, *, check_types: bool = True
+) -> ModelFile:
+    """Validate an open GGUF as a llama model.
+
+    `check_types=False` checks everything but tensor types (the converter's source check).
+    """
+    meta = read_metadata(reader)
+    tensors = {t.name: _weight_tensor(t) for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    hp = _read_hparams(path, meta, embd.shape[0] if embd else 0, "output.weight" not in tensors)
+    _check_rope(path, meta, hp.arch, set(tensors))
+    spec = expected_tensors(hp)
+    for name, (shape, types) in spec.items():
+        t = tensors.get(name)
+        if t is None:
+            raise _error(
+                path,
+                f"tensor {name!r}",
+                f"present with shape {shape}",
+                "nothing",
+                "the file is incomplete; " + REDOWNLOAD_FIX,
+            )
+        if t.shape != shape:
+            raise _error(
+                path,
+                f"tensor {name!r}",
+                f"shape {shape} (from the metadata)",
+                f"shape {t.shape}",
+                RECONVERT_FIX,
+            )
+        if check_types and t.ggml_type not in types:
+            raise _error(
+                path,
+                f"tensor {name!r}",
+                " or ".join(q.name for q in types),
+                t.ggml_type.name,
+                f"convert it with `rocforge convert {path} OUT.gguf`",
+            )
+    extra = [t for t in tensors.values() if t.name not in spec]
+    if extra:
+        t = extra[0]
+        raise _error(
+            path,
+            f"tensor {t.name!r}",
+            "only the llama tensor set",
+            f"an extra {t.ggml_type.name} tensor of shape {t.shape}",
+            "this runtime would ignore it and compute wrong outputs",
+        )
+    return ModelFile(path, meta, hp, tensors)
+
+
+@dataclass(frozen=True)
+class TensorOut:
+    """A tensor to write: its data is produced only when the writer reaches it."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order, in elements
+    produce: Callable[[], np.ndarray]  # raw file layout (uint8 blocks for quantized types)
+
+    @property
+    def nbytes(self) -> int:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape)) // block_size * type_size
+
+
+@contextmanager
+def atomic_output(dst: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dst`; it replaces `dst` only if the block completes.
+
+    On any exception (KeyboardInterrupt included) the temporary file is removed,
+    so a half-written `dst` never exists.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_gguf(
+    dst: Path,
+    metadata: Mapping[str, GGUFValue],
+    tensors: Sequence[TensorOut],
+    *,
+    progress: bool = True,
+    desc: str = "writing",
+) -> Path:
+    """Write a GGUF atomically, streaming tensor data one tensor at a time.
+
+    `metadata` maps every key (general.architecture included) to its value and GGUF
+    type, in file order; general.alignment, when present, also sets the data alignment.
+    """
+    dst = Path(dst)
+    arch = metadata["general.architecture"].value
+    arch = arch.decode() if isinstance(arch, bytes) else arch
+    with atomic_output(dst) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            for key, value in metadata.items():
+                if key == "general.alignment":
+                    writer.add_custom_alignment(int(value.value))
+                elif key != "general.architecture":  # the writer adds it first
+                    writer.add_key_value(key, value.value, value.type, value.sub_type)
+            for t in tensors:
+                # a float dtype tells the writer `shape` is in elements, not bytes
+                writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, t.ggml_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in tqdm(tensors, desc=desc, unit="tensor", disable=not progress):
+                writer.write_tensor_data(np.ascontiguousarray(t.produce()))
+        finally:
+            writer.close()
+    return dst
+
+
+def copy_metadata(reader: gguf.GGUFReader) -> dict[str, GGUFValue]:
+    """All key/value pairs of a GGUF with their original value types, ready for write_gguf.
+
+    Strings stay raw bytes (no decode round trip). Empty arrays are dropped: a GGUF
+    writer cannot write them, and they carry no values.
+    """
+    out: dict[str, GGUFValue] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or not field.data:
+            continue
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            sub_type = field.types[-1]
+            value: Any = [_raw_value(field.parts[i], sub_type) for i in field.data]
+            out[key] = GGUFValue(value, vtype, sub_type)
+        else:
+            out[key] = GGUFValue(_raw_value(field.parts[field.data[0]], vtype), vtype)
+    return out
+
+
+def _raw_value(part: np.ndarray, vtype: GGUFValueType) -> Any:
+    return bytes(part) if vtype == GGUFValueType.STRING else part.tolist()[0]

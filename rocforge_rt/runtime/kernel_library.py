@@ -1,0 +1,221 @@
+"""Kernel library: finds ``kernels/*.hip``, compiles them per target, caches the results.
+
+One source tree builds for every vendor: a `Compiler` (NVRTC or hiprtc, from the
+backends) turns a source into a code object (an ELF: CUBIN or AMD HSACO). Code
+objects are cached on disk under a sha256 of everything that shapes them (source,
+header contents, vendor, arch, defines, compiler version), so a warm start
+compiles nothing. ``RF_WARP_SIZE`` is always defined from the compiler's target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+_IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KERNEL_RE = re.compile(r"\bRF_KERNEL(?:_BOUNDS\s*\([^)]*\))?\s+void\s+([A-Za-z_]\w*)\s*\(")
+_COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+_CACHE_FORMAT = 1  # bump when the key derivation or the file layout changes
+_ELF_MAGIC = b"\x7fELF"
+
+
+class Compiler(Protocol):
+    """What the kernel library needs of a compiler backend."""
+
+    vendor: str  # 'cuda' | 'hip'
+    arch: str  # e.g. 'sm_90', 'gfx90a', 'gfx1030'
+    version: str  # compiler identity and fixed options; part of the cache key
+    warp_size: int  # lanes per warp/wavefront on `arch`; passed as RF_WARP_SIZE
+
+    def compile(
+        self,
+        source: str,
+        filename: str,
+        headers: Mapping[str, str],
+        defines: Mapping[str, str | int],
+    ) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class CodeObject:
+    """One kernel source compiled for one target."""
+
+    source: str  # file name in the kernels directory, e.g. 'embedding.hip'
+    vendor: str
+    arch: str
+    key: str  # sha256 cache key (hex)
+    code: bytes  # ELF: CUBIN (cuda) or code object (hip)
+    kernels: tuple[str, ...]  # kernel names the source declares, in source order
+
+
+def kernels_dir() -> Path:
+    """The kernel sources: $ROCFORGE_KERNELS_DIR, else ``kernels/`` beside the package."""
+    override = os.environ.get("ROCFORGE_KERNELS_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "kernels"
+
+
+def default_cache_dir() -> Path:
+    """Where code objects are cached: $ROCFORGE_CACHE_DIR, else ~/.cache/rocforge-rt/kernels."""
+    override = os.environ.get("ROCFORGE_CACHE_DIR")
+    return Path(override) if override else Path.home() / ".cache" / "rocforge-rt" / "kernels"
+
+
+def kernel_names(source: str) -> list[str]:
+    """Names of the kernels a source declares with RF_KERNEL / RF_KERNEL_BOUNDS(...)."""
+    return _KERNEL_RE.findall(_COMMENT_RE.sub(" ", source))
+
+
+def elf_function_symbols(code: bytes) -> set[str]:
+    """Names of the global functions an ELF64 little-endian object defines.
+
+    Kernels are exported this way in both CUBINs and AMD code objects.
+    """
+    if code[:4] != _ELF_MAGIC or code[4] != 2 or code[5] != 1:
+        raise ValueError("not a little-endian ELF64 object")
+    (shoff,) = struct.unpack_from("<Q", code, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", code, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", code, shoff + i * shentsize) for i in range(shnum)
+    ]
+    names: set[str] = set()
+    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+        if sh_type not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        strtab_offset = sections[link][4]
+        for pos in range(offset, offset + size, entsize):
+            st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", code, pos)
+            # STT_FUNC, STB_GLOBAL, defined in a section
+            if st_info & 0xF == 2 and st_info >> 4 == 1 and st_shndx != 0:
+                end = code.index(b"\0", strtab_offset + st_name)
+                names.add(code[strtab_offset + st_name : end].decode())
+    return names
+
+
+def _normalize_defines(defines: Mapping[str, str | int]) -> dict[str, str]:
+    normalized = {}
+    for name, value in defines.items():
+        if not _IDENTIFIER_RE.match(name):
+            raise ValueError(f"define name {name!r} is not a C identifier")
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise TypeError(f"define {name} must be an int or a str, got {type(value).__name__}")
+        text = str(value)
+        if not text or any(c.isspace() for c in text):
+            raise ValueError(f"define {name} has an empty value or one with whitespace: {text!r}")
+        normalized[name] = text
+    return normalized
+
+
+class KernelLibrary:
+    """Compiles kernel sources for one compiler's target, through an on-disk cache.
+
+    `compiles` and `cache_hits` count what `load` did, so a test can prove that
+    a warm start compiles nothing.
+    """
+
+    def __init__(
+        self,
+        compiler: Compiler,
+        source_dir: Path | None = None,
+        cache_dir: Path | None = None,
+    ) -> None:
+        self.compiler = compiler
+        self.source_dir = source_dir if source_dir is not None else kernels_dir()
+        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        if not self.source_dir.is_dir():
+            raise FileNotFoundError(
+                f"kernel sources not found at {self.source_dir}; set ROCFORGE_KERNELS_DIR"
+            )
+        self.compiles = 0
+        self.cache_hits = 0
+
+    def sources(self) -> list[str]:
+        """File names of the kernel sources (``*.hip``), sorted."""
+        return sorted(p.name for p in self.source_dir.glob("*.hip"))
+
+    def headers(self) -> dict[str, str]:
+        """The headers (``*.h``) every source may include, by include name."""
+        return {p.name: p.read_text() for p in sorted(self.source_dir.glob("*.h"))}
+
+    def load(self, source_name: str, defines: Mapping[str, str | int] | None = None) -> CodeObject:
+        """The code object of one source (e.g. 'embedding.hip'), compiled or from the cache.
+
+        `defines` are extra -D macros; RF_WARP_SIZE comes from the compiler.
+        Raises `KernelCompileError` when the source does not compile.
+        """
+        source = (self.source_dir / source_name).read_text()
+        headers = self.headers()
+        all_defines = self._defines(defines)
+        key = self._key(source_name, source, headers, all_defines)
+        compiler = self.compiler
+        path = self.cache_dir / f"{Path(source_name).stem}.{compiler.vendor}-{compiler.arch}.{key}"
+        code = self._read_cached(path)
+        if code is None:
+            code = compiler.compile(source, source_name, headers, all_defines)
+            self.compiles += 1
+            self._write_cached(path, code)
+        else:
+            self.cache_hits += 1
+        return CodeObject(
+            source=source_name,
+            vendor=compiler.vendor,
+            arch=compiler.arch,
+            key=key,
+            code=code,
+            kernels=tuple(kernel_names(source)),
+        )
+
+    def load_all(self, defines: Mapping[str, str | int] | None = None) -> dict[str, CodeObject]:
+        """Every source's code object, by file name."""
+        return {name: self.load(name, defines) for name in self.sources()}
+
+    def _defines(self, defines: Mapping[str, str | int] | None) -> dict[str, str]:
+        normalized = _normalize_defines(defines or {})
+        warp_size = str(self.compiler.warp_size)
+        if normalized.setdefault("RF_WARP_SIZE", warp_size) != warp_size:
+            raise ValueError(
+                f"RF_WARP_SIZE comes from the target ({self.compiler.arch}: {warp_size}), "
+                f"not from the caller ({normalized['RF_WARP_SIZE']})"
+            )
+        return normalized
+
+    def _key(
+        self, source_name: str, source: str, headers: Mapping[str, str], defines: Mapping[str, str]
+    ) -> str:
+        material = {
+            "format": _CACHE_FORMAT,
+            "vendor": self.compiler.vendor,
+            "arch": self.compiler.arch,
+            "compiler": self.compiler.version,
+            "filename": source_name,
+            "source": source,
+            "headers": dict(headers),
+            "defines": dict(defines),
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    @staticmethod
+    def _read_cached(path: Path) -> bytes | None:
+        try:
+            code = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return code if code.startswith(_ELF_MAGIC) else None  # a damaged entry is recompiled
+
+    def _write_cached(self, path: Path, code: bytes) -> None:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(code)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,95 @@
+"""The engine's ways of computing the same thing agree: cached decode, chunked prefill, batching."""
+
+import numpy as np
+import pytest
+
+from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.forward import forward
+from rocforge_rt.engine.sampling import SamplingParams
+from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.errors import EngineError
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
+
+
+@pytest.fixture()
+def engine(tiny_model) -> Engine:
+    return Engine.load(tiny_model, backend="cpu", n_slots=3, n_ctx=64, prefill_chunk=4)
+
+
+def greedy_tokens(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    session = engine.open_session(prompt, max_tokens=n)
+    tokens = [engine.prefill(session).token]
+    while not session.finished:
+        tokens.append(engine.decode([session])[0].token)
+    engine.close_session(session)
+    return tokens
+
+
+def test_cached_decode_equals_a_full_forward_over_the_whole_sequence(engine):
+    generated = greedy_tokens(engine, PROMPT, 8)
+    full = engine.logits(PROMPT + generated[:-1], slot=2)
+    assert np.argmax(full[len(PROMPT) - 1 :], axis=-1).tolist() == generated
+
+
+def test_chunked_prefill_gives_the_logits_of_a_single_pass(engine):
+    session = engine.open_session(PROMPT, sampling=SamplingParams(logprobs=5), max_tokens=1)
+    chunked = engine.prefill(session)  # prefill_chunk=4: three forward passes
+    engine.close_session(session)
+    single = engine.logits(PROMPT, slot=1)[-1]
+    logprobs = single - np.log(np.sum(np.exp(single - single.max()))) - single.max()
+    assert chunked.token == int(np.argmax(single))
+    assert chunked.logprob == pytest.approx(float(logprobs[chunked.token]), abs=1e-4)
+
+
+def test_batched_decode_equals_decoding_each_session_alone(engine):
+    prompts = [PROMPT, PROMPT[:3], [200, 201, 202, 203, 204, 205]]
+    alone = [greedy_tokens(engine, p, 6) for p in prompts]
+    sessions = [engine.open_session(p, max_tokens=6) for p in prompts]
+    together = [[engine.prefill(s).token] for s in sessions]
+    while not all(s.finished for s in sessions):
+        for out, event in zip(together, engine.decode(sessions), strict=True):
+            out.append(event.token)
+    assert together == alone
+
+
+def test_a_full_pool_answers_busy_and_a_closed_session_frees_its_slot(engine):
+    sessions = [engine.open_session(PROMPT) for _ in range(3)]
+    with pytest.raises(EngineError, match="busy"):
+        engine.open_session(PROMPT)
+    engine.close_session(sessions[0])
+    engine.open_session(PROMPT)
+
+
+def test_a_prompt_that_fills_the_context_is_rejected_as_context_full(engine):
+    with pytest.raises(EngineError, match="context_full"):
+        engine.open_session(list(range(64)))
+
+
+def test_generation_stops_with_length_at_the_end_of_the_context(engine):
+    session = engine.open_session(list(range(60)), max_tokens=100)
+    events = [engine.prefill(session)]
+    while not session.finished:
+        events.extend(engine.decode([session]))
+    assert events[-1].finish_reason == FinishReason.LENGTH
+    assert session.n_past == 64  # every KV position used
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected(engine):
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.open_session([1, 2, engine.hparams.n_vocab])
+
+
+def test_another_turn_continues_the_same_cache(engine):
+    session = engine.open_session(PROMPT[:5], max_tokens=1)
+    first = engine.prefill(session)
+    engine.append(session, PROMPT[5:], max_tokens=1)
+    second = engine.prefill(session)
+    whole = engine.logits(PROMPT[:5] + [first.token] + PROMPT[5:], slot=2)
+    assert second.token == int(np.argmax(whole[-1]))
+
+
+def test_forward_logits_rows_follow_the_batch_request(engine):
+    batch = StepBatch.prefill(PROMPT, 0, 0, "none")
+    assert forward(engine.backend, engine.weights, batch).shape == (0, engine.hparams.n_vocab)

@@ -1,0 +1,65 @@
+"""The CPU engine agrees with llama.cpp on the default model (../shared/reference)."""
+
+import numpy as np
+import pytest
+
+from rocforge_rt.engine.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(default_model) -> Engine:
+    return Engine.load(default_model, backend="cpu", n_ctx=256)
+
+
+def cases(reference):
+    return reference["cases"]
+
+
+def last_logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    return engine.logits(ids)[-1]
+
+
+def test_prompt_ids_are_the_reference_ids(engine, reference):
+    for case in cases(reference):
+        assert engine.tokenizer.encode(case["prompt"]) == case["ids"]
+
+
+def test_top1_matches_wherever_llamacpp_is_confident(engine, reference):
+    for case in cases(reference):
+        (top1, l1), (_, l2) = case["top20"][0], case["top20"][1]
+        if l1 - l2 >= 0.5:
+            assert int(np.argmax(last_logits(engine, case["ids"]))) == top1, case["prompt"]
+
+
+def test_top10_overlap_is_at_least_8_of_10(engine, reference):
+    for case in cases(reference):
+        ours = set(np.argsort(-last_logits(engine, case["ids"]))[:10].tolist())
+        theirs = {t for t, _ in case["top20"][:10]}
+        assert len(ours & theirs) >= 8, case["prompt"]
+
+
+def test_logits_of_llamacpp_top20_differ_by_at_most_one(engine, reference):
+    for case in cases(reference):
+        logits = last_logits(engine, case["ids"])
+        worst = max(abs(float(logits[t]) - value) for t, value in case["top20"])
+        assert worst <= 1.0, (case["prompt"], worst)
+
+
+def test_teacher_forced_argmax_follows_llamacpp_greedy_at_90_percent(engine, reference):
+    hits = total = 0
+    for case in cases(reference):
+        sequence = case["ids"] + case["greedy"][:-1]
+        predicted = np.argmax(engine.logits(sequence), axis=-1)[len(case["ids"]) - 1 :]
+        hits += int(np.sum(predicted == np.array(case["greedy"])))
+        total += len(case["greedy"])
+    assert hits / total >= 0.9, f"{hits}/{total}"
+
+
+def test_greedy_generation_streams_its_decoded_text_and_opens_like_llamacpp(engine, reference):
+    from rocforge_rt.engine.generate import Generation
+
+    for case in cases(reference):
+        events = list(Generation(engine, case["ids"], max_tokens=len(case["greedy"])))
+        tokens = [e.token for e in events]
+        assert "".join(e.text for e in events) == engine.tokenizer.decode(tokens)
+        assert tokens[:2] == case["greedy"][:2], case["prompt"]

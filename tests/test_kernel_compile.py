@@ -1,0 +1,272 @@
+"""Kernel compile checks (no GPU): every kernels/*.hip builds for sm_90 with NVRTC and for
+gfx90a + gfx1030 with hiprtc, exports the kernels it declares, and is cached on disk.
+
+A missing compiler skips its tests with the reason, except under CI (CI=true), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rocforge_rt.errors import BackendError, KernelCompileError
+from rocforge_rt.runtime.kernel_library import (
+    CodeObject,
+    Compiler,
+    KernelLibrary,
+    elf_function_symbols,
+    kernel_names,
+    kernels_dir,
+)
+
+TARGETS = ("sm_90", "gfx90a", "gfx1030")
+KERNELS = kernels_dir()
+HEADER = "rf_portability.h"
+SOURCES = sorted(p.name for p in KERNELS.glob("*.hip"))
+EM_CUDA, EM_AMDGPU = 190, 224
+VENDOR_MACROS = re.compile(
+    r"__HIP_PLATFORM|__CUDACC__|__HIPCC__|__CUDA_ARCH__|__HIP_DEVICE_COMPILE__|__gfx|__GFX"
+    r"|__HIP__|__NVCC__|__AMDGCN"
+)
+
+# Uses every helper of the portability header, so each is compiled for each target.
+HEADER_SMOKE = """\
+#include "rf_portability.h"
+
+RF_KERNEL_BOUNDS(256)
+void rf_smoke_warp(const float* RF_RESTRICT x, float* sums, float* maxes, int32_t* isums) {
+    const float v = x[threadIdx.x];
+    sums[threadIdx.x] = rf_warp_sum(v) + rf_shfl_xor(v, 1);
+    maxes[threadIdx.x] = rf_warp_max(v);
+    isums[threadIdx.x] = rf_warp_sum((int)threadIdx.x) + rf_shfl_xor((int)threadIdx.x, 1);
+}
+
+RF_KERNEL void rf_smoke_scalar(const int32_t* a, const int32_t* b, const uint16_t* h,
+                               int32_t* dot, uint16_t* h_out, float* f_out, uint64_t n) {
+    const uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const int8_t s8 = (int8_t)a[i];
+    const int16_t s16 = (int16_t)b[i];
+    const uint32_t u32 = (uint32_t)s8 + (uint32_t)s16;
+    const int64_t s64 = (int64_t)u32;
+    dot[i] = rf_dp4a(a[i], b[i], (int)s64);
+    f_out[i] = rf_half_to_float(h[i]) + rf_load_half((const uint8_t*)(h + i));
+    h_out[i] = rf_float_to_half(f_out[i]);
+}
+"""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+def _make_compiler(arch: str) -> Compiler:
+    if arch.startswith("sm_"):
+        from rocforge_rt.backends.cuda import NvrtcCompiler
+
+        return NvrtcCompiler(arch)
+    from rocforge_rt.backends.hip import HiprtcCompiler
+
+    return HiprtcCompiler(arch)
+
+
+@pytest.fixture(scope="session")
+def get_compiler() -> Callable[[str], Compiler]:
+    """A compiler per target, probed once; unavailable ones skip (or fail under CI)."""
+    made: dict[str, Compiler | str] = {}
+
+    def get(arch: str) -> Compiler:
+        if arch not in made:
+            try:
+                made[arch] = _make_compiler(arch)
+            except BackendError as exc:
+                made[arch] = f"no compiler for {arch}: {exc}"
+        compiler = made[arch]
+        if isinstance(compiler, str):
+            if _in_ci():
+                pytest.fail(f"{compiler} (CI is set, so this fails instead of skipping)")
+            pytest.skip(compiler)
+        return compiler
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def built(
+    get_compiler: Callable[[str], Compiler], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, str], CodeObject]:
+    """Code object of (target, source), compiled once per session."""
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    libraries: dict[str, KernelLibrary] = {}
+
+    def get(arch: str, source: str) -> CodeObject:
+        if arch not in libraries:
+            libraries[arch] = KernelLibrary(get_compiler(arch), cache_dir=cache)
+        return libraries[arch].load(source)
+
+    return get
+
+
+def _headers() -> dict[str, str]:
+    return {HEADER: (KERNELS / HEADER).read_text()}
+
+
+def _elf_machine(code: bytes) -> int:
+    return struct.unpack_from("<H", code, 0x12)[0]
+
+
+def test_kernel_sources_present() -> None:
+    assert "embedding.hip" in SOURCES
+    assert (KERNELS / HEADER).is_file()
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arch", TARGETS)
+def test_source_compiles_to_elf(built: Callable[[str, str], CodeObject], arch: str, source: str):
+    code = built(arch, source).code
+    assert code[:4] == b"\x7fELF", "expected an ELF code object, not PTX/assembly text"
+    assert _elf_machine(code) == (EM_CUDA if arch.startswith("sm_") else EM_AMDGPU)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_targets_export_declared_kernels(built: Callable[[str, str], CodeObject], source: str):
+    declared = set(kernel_names((KERNELS / source).read_text()))
+    assert declared, f"{source} declares no RF_KERNEL"
+    exported = {arch: elf_function_symbols(built(arch, source).code) for arch in TARGETS}
+    for arch, names in exported.items():
+        assert declared <= names, f"{arch} lacks {sorted(declared - names)}"
+    assert exported["sm_90"] == exported["gfx90a"] == exported["gfx1030"]
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_header_helpers_compile(get_compiler: Callable[[str], Compiler], arch: str) -> None:
+    compiler = get_compiler(arch)
+    code = compiler.compile(
+        HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": compiler.warp_size}
+    )
+    assert elf_function_symbols(code) == {"rf_smoke_warp", "rf_smoke_scalar"}
+
+
+@pytest.mark.parametrize(("arch", "wrong"), [("sm_90", 64), ("gfx90a", 32), ("gfx1030", 64)])
+def test_warp_size_must_match_target(
+    get_compiler: Callable[[str], Compiler], arch: str, wrong: int
+) -> None:
+    with pytest.raises(KernelCompileError, match="RF_WARP_SIZE"):
+        get_compiler(arch).compile(HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": wrong})
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_compile_error_carries_log(get_compiler: Callable[[str], Compiler], arch: str) -> None:
+    compiler = get_compiler(arch)
+    bad = '#include "rf_portability.h"\n\nRF_KERNEL void k() { rf_no_such_function(); }\n'
+    with pytest.raises(KernelCompileError) as info:
+        compiler.compile(bad, "bad_kernel.hip", _headers(), {"RF_WARP_SIZE": compiler.warp_size})
+    message = str(info.value)
+    assert "rf_no_such_function" in message
+    assert re.search(r"bad_kernel\.hip[:(]3\b", message), message
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_warm_start_compiles_nothing(
+    get_compiler: Callable[[str], Compiler], arch: str, tmp_path: Path
+) -> None:
+    compiler = get_compiler(arch)
+    cold = KernelLibrary(compiler, cache_dir=tmp_path)
+    first = cold.load_all()
+    assert cold.compiles == len(SOURCES) and cold.cache_hits == 0
+
+    warm = KernelLibrary(compiler, cache_dir=tmp_path)
+    again = warm.load_all()
+    assert warm.compiles == 0 and warm.cache_hits == len(SOURCES)
+    assert {n: c.code for n, c in again.items()} == {n: c.code for n, c in first.items()}
+
+    changed = warm.load("embedding.hip", defines={"RF_TEST_VARIANT": 1})
+    assert warm.compiles == 1
+    assert changed.key != first["embedding.hip"].key
+    assert not list(tmp_path.glob(".*.tmp")), "temporary cache files left behind"
+
+
+def test_failed_compile_is_not_cached(
+    get_compiler: Callable[[str], Compiler], tmp_path: Path
+) -> None:
+    source_dir = tmp_path / "kernels"
+    source_dir.mkdir()
+    (source_dir / HEADER).write_text(_headers()[HEADER])
+    (source_dir / "broken.hip").write_text(
+        '#include "rf_portability.h"\nRF_KERNEL void k() { x }\n'
+    )
+    library = KernelLibrary(get_compiler("sm_90"), source_dir=source_dir, cache_dir=tmp_path / "c")
+    with pytest.raises(KernelCompileError, match="broken.hip"):
+        library.load("broken.hip")
+    assert library.compiles == 0
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_hiprtc_crash_becomes_compile_error(get_compiler: Callable[[str], Compiler]) -> None:
+    get_compiler("gfx90a")  # skips (or fails under CI) when hiprtc is missing
+    from rocforge_rt.backends.hip import HiprtcCompiler
+
+    compiler = HiprtcCompiler("gfx1100")  # unknown to HIP 5.2: its compiler crashes
+    args = (HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": compiler.warp_size})
+    if "HIP 5." not in compiler.version:
+        assert compiler.compile(*args)[:4] == b"\x7fELF"
+        return
+    with pytest.raises(KernelCompileError, match=r"hiprtc crashed .*gfx1100"):
+        compiler.compile(*args)
+
+
+def test_rdna_wave64_on_request(get_compiler: Callable[[str], Compiler]) -> None:
+    get_compiler("gfx1030")  # skips (or fails under CI) when hiprtc is missing
+    from rocforge_rt.backends.hip import HiprtcCompiler
+
+    wave64 = HiprtcCompiler("gfx1030", warp_size=64)
+    assert wave64.version != get_compiler("gfx1030").version  # distinct cache keys
+    code = wave64.compile(HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": 64})
+    assert code[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="gfx90a"):
+        HiprtcCompiler("gfx90a", warp_size=32)
+
+
+def test_library_owns_warp_size(get_compiler: Callable[[str], Compiler], tmp_path: Path) -> None:
+    library = KernelLibrary(get_compiler("sm_90"), cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="RF_WARP_SIZE"):
+        library.load("embedding.hip", defines={"RF_WARP_SIZE": 64})
+    with pytest.raises(ValueError, match="not a C identifier"):
+        library.load("embedding.hip", defines={"BAD NAME": 1})
+
+
+def test_vendor_conditionals_only_in_header() -> None:
+    offenders = {
+        path.name: sorted(set(VENDOR_MACROS.findall(path.read_text())))
+        for path in sorted(KERNELS.iterdir())
+        if path.is_file() and path.name != HEADER
+    }
+    assert not {name: found for name, found in offenders.items() if found}
+
+
+def test_header_is_self_contained() -> None:
+    header = (KERNELS / HEADER).read_text()
+    assert not re.findall(r"^\s*#\s*include\b.*$", header, re.MULTILINE)
+    for source in SOURCES:
+        includes = re.findall(
+            r'^\s*#\s*include\s*([<"][^>"]+[>"])', (KERNELS / source).read_text(), re.M
+        )
+        assert includes == [f'"{HEADER}"'], f"{source} includes {includes}"
+
+
+def test_kernel_names_ignore_comments() -> None:
+    source = """
+    // RF_KERNEL void commented_out(int x);
+    /* RF_KERNEL_BOUNDS(64) void also_commented(int x); */
+    RF_KERNEL void first(int x) {}
+    RF_KERNEL_BOUNDS(128)
+    void second(const float* y) {}
+    """
+    assert kernel_names(source) == ["first", "second"]
