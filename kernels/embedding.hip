@@ -78,3 +78,48 @@ void rf_embed_f16(const uint8_t* RF_RESTRICT table, int64_t row_stride, int n_ro
                   const int32_t* RF_RESTRICT tokens, int n_tokens, float* RF_RESTRICT out) {
     rf_embed_rows<rf_f16_value>(table, row_stride, n_rows, n_embd, tokens, n_tokens, out);
 }
+
+// Rows repacked at load as the GEMV kernels read them (kernels/gemv.hip): quants
+// qs [n_rows, n_embd * bits / 8] and f16 scales d [n_rows, n_embd / 32] apart.
+// The tied LM head and the embedding gather then share one copy of the table.
+template <int Bits>
+RF_DEVICE_INLINE void rf_embed_split_rows(const uint8_t* RF_RESTRICT qs,
+                                          const uint16_t* RF_RESTRICT d, int n_rows, int n_embd,
+                                          const int32_t* RF_RESTRICT tokens, int n_tokens,
+                                          float* RF_RESTRICT out) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_embd) {
+        return;
+    }
+    const int64_t row_bytes = (int64_t)n_embd * Bits / 8;
+    for (int t = blockIdx.y; t < n_tokens; t += gridDim.y) {
+        const int32_t token = tokens[t];
+        float v = 0.0f;
+        if (token >= 0 && token < n_rows) {
+            const uint8_t* row = qs + (int64_t)token * row_bytes;
+            const float scale = rf_half_to_float(d[(int64_t)token * (n_embd / RF_QK) + i / RF_QK]);
+            if (Bits == 8) {
+                v = scale * (float)(int8_t)row[i];
+            } else {
+                const int j = i % RF_QK;
+                const uint8_t packed = row[(i / RF_QK) * 16 + (j & 15)];
+                v = scale * (float)((j < 16 ? (packed & 0x0F) : (packed >> 4)) - 8);
+            }
+        }
+        out[(int64_t)t * n_embd + i] = v;
+    }
+}
+
+RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
+void rf_embed_q8_0_split(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n_rows,
+                         int n_embd, const int32_t* RF_RESTRICT tokens, int n_tokens,
+                         float* RF_RESTRICT out) {
+    rf_embed_split_rows<8>(qs, d, n_rows, n_embd, tokens, n_tokens, out);
+}
+
+RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
+void rf_embed_q4_0_split(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n_rows,
+                         int n_embd, const int32_t* RF_RESTRICT tokens, int n_tokens,
+                         float* RF_RESTRICT out) {
+    rf_embed_split_rows<4>(qs, d, n_rows, n_embd, tokens, n_tokens, out);
+}

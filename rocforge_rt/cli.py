@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.errors import RocforgeError
+from rocforge_rt.server.cli_commands import add_server_commands
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     default = models_sub.add_parser("default", help="build the default model (idempotent)")
     default.add_argument("--models-dir", help="folder for the converted model")
     default.set_defaults(func=_cmd_models_default)
+
+    add_server_commands(sub)  # serve, client, keys, demo
     return parser
 
 

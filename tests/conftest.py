@@ -39,3 +39,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_model(
         "tiny", tmp_path_factory.mktemp("models") / "tiny.gguf", seed=1, progress=False
     )
+
+
+@pytest.fixture(scope="session")
+def gpu_driver():
+    """A CUDA driver on device 0, shared by the GPU tests; skips where no CUDA device is visible."""
+    from rocforge_rt.backends import cuda
+
+    if cuda.device_count() == 0:
+        pytest.skip("no CUDA device")
+    driver = cuda.CudaDriver()
+    yield driver
+    driver.close()

@@ -25,14 +25,36 @@ def resolve_backend_name(name: str) -> str:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name != "auto":
         return name
+    from rocforge_rt.backends import cuda, hip
+
+    if hip.device_count() > 0:
+        return "hip"
+    if cuda.device_count() > 0:
+        return "cuda"
     return "cpu"
 
 
-def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int) -> Any:
-    """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool."""
+def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
+    """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
+
+    Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens` and
+    `sync_each_launch` for the GPU backends.
+    """
     resolved = resolve_backend_name(name)
     if resolved == "cpu":
         from rocforge_rt.backends.cpu import CpuBackend
 
-        return CpuBackend(hparams, n_slots, n_ctx)
-    raise BackendError(f"the {resolved} engine backend is not available in this build")
+        return CpuBackend(hparams, n_slots, n_ctx, **options)
+    from rocforge_rt.runtime.gpu_ops import GpuBackend
+
+    if resolved == "cuda":
+        from rocforge_rt.backends.cuda import CudaDriver, NvrtcCompiler
+
+        driver = CudaDriver()
+        compiler = NvrtcCompiler(arch=driver.info.arch)
+    else:
+        from rocforge_rt.backends.hip import HipDriver, HiprtcCompiler
+
+        driver = HipDriver()
+        compiler = HiprtcCompiler(driver.info.arch, warp_size=driver.info.warp_size)
+    return GpuBackend(driver, compiler, hparams, n_slots=n_slots, n_ctx=n_ctx, **options)

@@ -8,11 +8,13 @@ with both. `activations="f32"` keeps them float32.
 """
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.forward import StepOutput
 from rocforge_rt.engine.rope import rope_tables
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
@@ -56,9 +58,7 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(
-        self, hparams: HParams, n_slots: int, n_ctx: int, activations: str = "q8"
-    ) -> None:
+    def __init__(self, hparams: HParams, n_slots: int, n_ctx: int, activations: str = "q8") -> None:
         if activations not in ("q8", "f32"):
             raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
         self.hparams = hparams
@@ -75,6 +75,15 @@ class CpuBackend:
 
     def to_host(self, values: np.ndarray) -> np.ndarray:
         return values
+
+    def run_step(
+        self, batch: StepBatch, run_forward: Callable[[], np.ndarray], want_logits: bool
+    ) -> StepOutput:
+        logits = run_forward()
+        greedy = np.argmax(logits, axis=-1).astype(np.int32)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        logprobs = -np.log(np.sum(np.exp(shifted, dtype=np.float64), axis=-1))
+        return StepOutput(greedy, logprobs.astype(np.float32), logits if want_logits else None)
 
     # --- weights -------------------------------------------------------------------
     def linear(self, *tensors: WeightTensor) -> np.ndarray:

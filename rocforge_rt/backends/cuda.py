@@ -1,40 +1,28 @@
-"""NVIDIA backend through cuda-bindings.
+"""NVIDIA backend through cuda-bindings: the NVRTC compiler and the driver-API device driver.
 
-For now this module holds the compile half: `NvrtcCompiler` turns a kernel
-source into a CUBIN for the device's real architecture (never PTX: the GPU
-machines run a CUDA 13.0 driver, and a cubin from any 13.x NVRTC loads there).
-The driver half (device, memory, streams, launch, graphs) joins it later and
-uses the same `check` helper.
+`NvrtcCompiler` turns a kernel source into a CUBIN for the device's real
+architecture (never PTX: the GPU machines run a CUDA 13.0 driver, and a cubin
+from any 13.x NVRTC loads there). `CudaDriver` runs code on one device through
+the driver API (primary context, blocking streams, thread-local stream
+capture); its interface and its executor-thread contract live in
+`rocforge_rt.backends.device`, and this module holds only the API calls.
 
 cuda-bindings is imported lazily so that this module imports on a machine
-without it; constructing a compiler then raises `BackendError`.
+without it; constructing a compiler or a driver then raises `BackendError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from rocforge_rt.backends.device import DeviceInfo, Driver, check
 from rocforge_rt.errors import BackendError, KernelCompileError
 
 # Options every compile gets; part of `NvrtcCompiler.version` so that a change
 # here invalidates cached code objects.
 _BASE_OPTIONS = ("-std=c++17",)
-
-
-def check(api_name: str, result: Any) -> Any:
-    """Unwrap a cuda-bindings return value, raising `BackendError` on failure.
-
-    cuda-bindings returns a tuple ``(status, *values)``; status 0 is success.
-    Returns None for no value, the value itself for one, else the tuple of values.
-    """
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        name = getattr(status, "name", str(status))
-        raise BackendError(f"{api_name} failed: {name} ({int(status)})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _nvrtc() -> Any:
@@ -122,3 +110,184 @@ class NvrtcCompiler:
         log = b"\0" * size
         check("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, log))
         return log.rstrip(b"\0").decode(errors="replace").strip()
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _driver_api() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendError(
+            f"cuda-bindings is unavailable ({exc}); pip install 'rocforge-rt[cuda]'"
+        ) from exc
+    return driver
+
+
+def device_count() -> int:
+    """NVIDIA devices visible to the driver API; 0 (never an exception) without driver or GPU."""
+    try:
+        cu = _driver_api()
+        if int(cu.cuInit(0)[0]) != 0:
+            return 0
+        status, count = cu.cuDeviceGetCount()
+        return int(count) if int(status) == 0 else 0
+    except Exception:  # a missing libcuda, a broken install: no usable device
+        return 0
+
+
+class CudaDriver(Driver):
+    """One NVIDIA device through the cuda-bindings driver API (its primary context)."""
+
+    _launch_api = "cuLaunchKernel"
+
+    def __init__(self, device_index: int = 0) -> None:
+        cu = self._cu = _driver_api()
+        try:
+            check("cuInit", cu.cuInit(0))
+        except RuntimeError as exc:  # cuda-pathfinder finds no libcuda
+            raise BackendError(
+                f"cuInit failed: the NVIDIA driver library is missing ({exc})"
+            ) from exc
+        count = check("cuDeviceGetCount", cu.cuDeviceGetCount())
+        if not 0 <= device_index < count:
+            raise BackendError(f"cuDeviceGet: no CUDA device {device_index} ({count} present)")
+        self._device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
+        self._context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context))
+        self._capture_mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        self._max_dynamic_shared = (
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        )
+        super().__init__(self._device_info())
+
+    def _device_info(self) -> DeviceInfo:
+        cu, dev = self._cu, self._device
+        attr = cu.CUdevice_attribute
+
+        def get(name: str) -> int:
+            return int(
+                check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(getattr(attr, name), dev))
+            )
+
+        name = check("cuDeviceGetName", cu.cuDeviceGetName(256, dev))
+        major = get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
+        minor = get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
+        return DeviceInfo(
+            vendor="cuda",
+            name=bytes(name).split(b"\0", 1)[0].decode(errors="replace"),
+            arch=f"sm_{major}{minor}",
+            warp_size=get("CU_DEVICE_ATTRIBUTE_WARP_SIZE"),
+            multiprocessors=get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+            total_memory=int(check("cuDeviceTotalMem", cu.cuDeviceTotalMem(dev))),
+            l2_bytes=get("CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE"),
+            max_shared_per_block=get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+        )
+
+    def _api_bind_thread(self) -> None:
+        check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
+
+    def _api_close(self) -> None:
+        check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
+
+    def _api_synchronize(self) -> None:
+        check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
+
+    def _api_alloc(self, nbytes: int) -> int:
+        return int(check("cuMemAlloc", self._cu.cuMemAlloc(nbytes)))
+
+    def _api_free(self, ptr: int) -> None:
+        check("cuMemFree", self._cu.cuMemFree(ptr))
+
+    def _api_host_alloc(self, nbytes: int) -> int:
+        return int(check("cuMemHostAlloc", self._cu.cuMemHostAlloc(nbytes, 0)))
+
+    def _api_host_free(self, ptr: int) -> None:
+        check("cuMemFreeHost", self._cu.cuMemFreeHost(ptr))
+
+    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None:
+        check("cuMemcpyHtoD", self._cu.cuMemcpyHtoD(dst, src, nbytes))
+
+    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        check("cuMemcpyHtoDAsync", self._cu.cuMemcpyHtoDAsync(dst, src, nbytes, stream))
+
+    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
+        check("cuMemcpyDtoH", self._cu.cuMemcpyDtoH(dst, src, nbytes))
+
+    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        check("cuMemcpyDtoHAsync", self._cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream))
+
+    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
+        check("cuMemsetD8Async", self._cu.cuMemsetD8Async(dst, byte, nbytes, stream))
+
+    def _api_stream_create(self) -> Any:
+        flags = self._cu.CUstream_flags.CU_STREAM_DEFAULT  # blocking: ordered with the null stream
+        return check("cuStreamCreate", self._cu.cuStreamCreate(flags))
+
+    def _api_stream_destroy(self, stream: Any) -> None:
+        check("cuStreamDestroy", self._cu.cuStreamDestroy(stream))
+
+    def _api_stream_synchronize(self, stream: Any) -> None:
+        check("cuStreamSynchronize", self._cu.cuStreamSynchronize(stream))
+
+    def _api_event_create(self, timing: bool) -> Any:
+        flags = 0 if timing else self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return check("cuEventCreate", self._cu.cuEventCreate(flags))
+
+    def _api_event_destroy(self, event: Any) -> None:
+        check("cuEventDestroy", self._cu.cuEventDestroy(event))
+
+    def _api_event_record(self, event: Any, stream: Any) -> None:
+        check("cuEventRecord", self._cu.cuEventRecord(event, stream))
+
+    def _api_event_synchronize(self, event: Any) -> None:
+        check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
+
+    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(check("cuEventElapsedTime", self._cu.cuEventElapsedTime(start, end)))
+
+    def _api_module_load(self, code: bytes) -> Any:
+        return check("cuModuleLoadData", self._cu.cuModuleLoadData(code))
+
+    def _api_module_unload(self, module: Any) -> None:
+        check("cuModuleUnload", self._cu.cuModuleUnload(module))
+
+    def _api_module_function(self, module: Any, name: str) -> Any:
+        return check("cuModuleGetFunction", self._cu.cuModuleGetFunction(module, name.encode()))
+
+    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None:
+        result = self._cu.cuFuncSetAttribute(function, self._max_dynamic_shared, nbytes)
+        check("cuFuncSetAttribute", result)
+
+    def _api_launcher(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Any,
+        params_ptr: int,
+    ) -> Callable[[], Any]:
+        # An int kernelParams is taken as the address of the void*[] as is: no packing here.
+        return functools.partial(
+            self._cu.cuLaunchKernel, function, *grid, *block, shared_bytes, stream, params_ptr, 0
+        )
+
+    def _api_begin_capture(self, stream: Any) -> None:
+        check("cuStreamBeginCapture", self._cu.cuStreamBeginCapture(stream, self._capture_mode))
+
+    def _api_end_capture(self, stream: Any) -> Any:
+        return check("cuStreamEndCapture", self._cu.cuStreamEndCapture(stream))
+
+    def _api_graph_instantiate(self, graph: Any) -> Any:
+        return check("cuGraphInstantiate", self._cu.cuGraphInstantiate(graph, 0))
+
+    def _api_graph_launch(self, exe: Any, stream: Any) -> None:
+        check("cuGraphLaunch", self._cu.cuGraphLaunch(exe, stream))
+
+    def _api_graph_destroy(self, graph: Any) -> None:
+        check("cuGraphDestroy", self._cu.cuGraphDestroy(graph))
+
+    def _api_graph_exec_destroy(self, exe: Any) -> None:
+        check("cuGraphExecDestroy", self._cu.cuGraphExecDestroy(exe))

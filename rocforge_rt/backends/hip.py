@@ -1,9 +1,12 @@
-"""AMD backend through hip-python.
+"""AMD backend through hip-python: the hiprtc compiler and the HIP device driver.
 
-For now this module holds the compile half: `HiprtcCompiler` turns a kernel
-source into an AMD code object (ELF) for one gfx target. The driver half
-(device, memory, streams, launch, graphs) joins it later and uses the same
-`check` helper and `ensure_rocm_path`.
+`HiprtcCompiler` turns a kernel source into an AMD code object (ELF) for one
+gfx target. `HipDriver` runs code on one device through the HIP module API
+(blocking streams, thread-local stream capture); its interface and its
+executor-thread contract live in `rocforge_rt.backends.device`, and this module
+holds only the API calls. Without an AMD GPU (CI) only `device_count() == 0`
+and the constructor's error are exercised: kernel execution on AMD stays
+unverified until an AMD GPU runs the test suite.
 
 hiprtc runs in a child process (``python -m rocforge_rt.backends.hip``, one JSON
 request on stdin, one JSON reply): the HIP 5.2 compiler that Debian ships
@@ -17,16 +20,18 @@ repository's ``.rocm`` folder made by ``scripts/install_hip_sdk.sh`` is used.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rocforge_rt.backends.device import DeviceInfo, Driver, check
 from rocforge_rt.errors import BackendError, KernelCompileError, RocforgeError
 
 # Options every compile gets; with the wavefront option, part of
@@ -39,21 +44,6 @@ _COMGR_SOURCE_RE = re.compile(r"\S*/comgr-\w+/input/CompileSource")
 _COMGR_INCLUDE_RE = re.compile(r"\S*/comgr-\w+/include/")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 REPO_ROCM_DIR = _PACKAGE_ROOT / ".rocm"
-
-
-def check(api_name: str, result: Any) -> Any:
-    """Unwrap a hip-python return value, raising `BackendError` on failure.
-
-    hip-python returns a tuple ``(status, *values)``; status 0 is success.
-    Returns None for no value, the value itself for one, else the tuple of values.
-    """
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        name = getattr(status, "name", str(status))
-        raise BackendError(f"{api_name} failed: {name} ({int(status)})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def rocm_path() -> str | None:
@@ -186,6 +176,183 @@ def _run_worker(
         cause = f"exited with status {proc.returncode}"
     tail = "\n".join(stderr.splitlines()[-20:])
     raise error(f"hiprtc {cause} {what}" + (f":\n{tail}" if tail else ""))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _hip_api() -> Any:
+    ensure_rocm_path()
+    try:
+        from hip import hip
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise BackendError(
+            f"hip-python or the HIP runtime is unavailable ({exc}); "
+            "pip install 'rocforge-rt[hip]' and set ROCM_PATH"
+        ) from exc
+    return hip
+
+
+def device_count() -> int:
+    """AMD devices visible to HIP; 0 (never an exception) without runtime or GPU."""
+    try:
+        status, count = _hip_api().hipGetDeviceCount()
+        return int(count) if int(status) == 0 else 0
+    except Exception:  # a missing libamdhip64, a broken install: no usable device
+        return 0
+
+
+class HipDriver(Driver):
+    """One AMD device through hip-python's HIP module API."""
+
+    _launch_api = "hipModuleLaunchKernel"
+
+    def __init__(self, device_index: int = 0) -> None:
+        hip = self._hip = _hip_api()
+        check("hipInit", hip.hipInit(0))
+        count = check("hipGetDeviceCount", hip.hipGetDeviceCount())
+        if not 0 <= device_index < count:
+            raise BackendError(f"hipSetDevice: no HIP device {device_index} ({count} present)")
+        self._device = device_index
+        check("hipSetDevice", hip.hipSetDevice(device_index))
+        self._capture_mode = hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal
+        super().__init__(self._device_info())
+
+    def _device_info(self) -> DeviceInfo:
+        hip, dev = self._hip, self._device
+        attr = hip.hipDeviceAttribute_t
+
+        def get(name: str) -> int:
+            return int(
+                check("hipDeviceGetAttribute", hip.hipDeviceGetAttribute(getattr(attr, name), dev))
+            )
+
+        props = check("hipGetDeviceProperties", hip.hipGetDeviceProperties(dev))
+        return DeviceInfo(
+            vendor="hip",
+            name=str(props.name),
+            arch=str(props.gcnArchName).split(":", 1)[0],  # 'gfx90a:sramecc+:xnack-' -> 'gfx90a'
+            warp_size=get("hipDeviceAttributeWarpSize"),
+            multiprocessors=get("hipDeviceAttributeMultiprocessorCount"),
+            total_memory=int(props.totalGlobalMem),
+            l2_bytes=get("hipDeviceAttributeL2CacheSize"),
+            max_shared_per_block=get("hipDeviceAttributeMaxSharedMemoryPerBlock"),
+        )
+
+    def _api_bind_thread(self) -> None:
+        check("hipSetDevice", self._hip.hipSetDevice(self._device))
+
+    def _api_close(self) -> None:
+        """Nothing to let go of: HIP keeps one implicit context per device."""
+
+    def _api_synchronize(self) -> None:
+        check("hipDeviceSynchronize", self._hip.hipDeviceSynchronize())
+
+    def _api_alloc(self, nbytes: int) -> int:
+        return int(check("hipMalloc", self._hip.hipMalloc(nbytes)))
+
+    def _api_free(self, ptr: int) -> None:
+        check("hipFree", self._hip.hipFree(ptr))
+
+    def _api_host_alloc(self, nbytes: int) -> int:
+        flags = self._hip.hipHostMallocDefault
+        return int(check("hipHostMalloc", self._hip.hipHostMalloc(nbytes, flags)))
+
+    def _api_host_free(self, ptr: int) -> None:
+        check("hipHostFree", self._hip.hipHostFree(ptr))
+
+    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None:
+        check("hipMemcpyHtoD", self._hip.hipMemcpyHtoD(dst, src, nbytes))
+
+    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        check("hipMemcpyHtoDAsync", self._hip.hipMemcpyHtoDAsync(dst, src, nbytes, stream))
+
+    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
+        check("hipMemcpyDtoH", self._hip.hipMemcpyDtoH(dst, src, nbytes))
+
+    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        check("hipMemcpyDtoHAsync", self._hip.hipMemcpyDtoHAsync(dst, src, nbytes, stream))
+
+    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
+        check("hipMemsetD8Async", self._hip.hipMemsetD8Async(dst, byte, nbytes, stream))
+
+    def _api_stream_create(self) -> Any:
+        flags = self._hip.hipStreamDefault  # blocking: ordered with the null stream
+        return check("hipStreamCreateWithFlags", self._hip.hipStreamCreateWithFlags(flags))
+
+    def _api_stream_destroy(self, stream: Any) -> None:
+        check("hipStreamDestroy", self._hip.hipStreamDestroy(stream))
+
+    def _api_stream_synchronize(self, stream: Any) -> None:
+        check("hipStreamSynchronize", self._hip.hipStreamSynchronize(stream))
+
+    def _api_event_create(self, timing: bool) -> Any:
+        flags = 0 if timing else self._hip.hipEventDisableTiming
+        return check("hipEventCreateWithFlags", self._hip.hipEventCreateWithFlags(flags))
+
+    def _api_event_destroy(self, event: Any) -> None:
+        check("hipEventDestroy", self._hip.hipEventDestroy(event))
+
+    def _api_event_record(self, event: Any, stream: Any) -> None:
+        check("hipEventRecord", self._hip.hipEventRecord(event, stream))
+
+    def _api_event_synchronize(self, event: Any) -> None:
+        check("hipEventSynchronize", self._hip.hipEventSynchronize(event))
+
+    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(check("hipEventElapsedTime", self._hip.hipEventElapsedTime(start, end)))
+
+    def _api_module_load(self, code: bytes) -> Any:
+        return check("hipModuleLoadData", self._hip.hipModuleLoadData(code))
+
+    def _api_module_unload(self, module: Any) -> None:
+        check("hipModuleUnload", self._hip.hipModuleUnload(module))
+
+    def _api_module_function(self, module: Any, name: str) -> Any:
+        return check("hipModuleGetFunction", self._hip.hipModuleGetFunction(module, name.encode()))
+
+    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None:
+        """Nothing to call: an AMD kernel may use all of a block's LDS without opting in."""
+
+    def _api_launcher(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Any,
+        params_ptr: int,
+    ) -> Callable[[], Any]:
+        # An int kernelParams is taken as the address of the void*[] as is: no packing here.
+        return functools.partial(
+            self._hip.hipModuleLaunchKernel,
+            function,
+            *grid,
+            *block,
+            shared_bytes,
+            stream,
+            params_ptr,
+            None,
+        )
+
+    def _api_begin_capture(self, stream: Any) -> None:
+        check("hipStreamBeginCapture", self._hip.hipStreamBeginCapture(stream, self._capture_mode))
+
+    def _api_end_capture(self, stream: Any) -> Any:
+        return check("hipStreamEndCapture", self._hip.hipStreamEndCapture(stream))
+
+    def _api_graph_instantiate(self, graph: Any) -> Any:
+        result = self._hip.hipGraphInstantiateWithFlags(graph, 0)
+        return check("hipGraphInstantiateWithFlags", result)
+
+    def _api_graph_launch(self, exe: Any, stream: Any) -> None:
+        check("hipGraphLaunch", self._hip.hipGraphLaunch(exe, stream))
+
+    def _api_graph_destroy(self, graph: Any) -> None:
+        check("hipGraphDestroy", self._hip.hipGraphDestroy(graph))
+
+    def _api_graph_exec_destroy(self, exe: Any) -> None:
+        check("hipGraphExecDestroy", self._hip.hipGraphExecDestroy(exe))
 
 
 # ---------------------------------------------------------------- child process

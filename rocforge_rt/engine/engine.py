@@ -7,14 +7,15 @@ that thread; nothing else calls in.
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rocforge_rt.backends import Backend, create_backend
 from rocforge_rt.engine.batch import StepBatch
-from rocforge_rt.engine.forward import ForwardOps, forward, upload_weights
+from rocforge_rt.engine.forward import ForwardOps, StepOutput, forward, upload_weights
 from rocforge_rt.engine.kv_cache import SlotAllocator
-from rocforge_rt.engine.sampling import Sampler, SamplingParams
+from rocforge_rt.engine.sampling import SampledToken, Sampler, SamplingParams
 from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.errors import EngineError
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
@@ -63,10 +64,15 @@ class Engine:
         n_slots: int = 1,
         n_ctx: int = 2048,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        **backend_options: Any,
     ) -> "Engine":
+        """Load a GGUF onto a backend; `backend_options` go to create_backend."""
         model = load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
-        device = create_backend(backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx)
+        device = create_backend(
+            backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, **backend_options
+        )
+        prefill_chunk = min(prefill_chunk, getattr(device, "max_tokens", prefill_chunk))
         return cls(model, device, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk)
 
     # --- sessions ----------------------------------------------------------------------
@@ -125,6 +131,24 @@ class Engine:
             )
 
     # --- steps ---------------------------------------------------------------------------
+    def _run(self, batch: StepBatch, want_logits: bool) -> StepOutput:
+        return self.backend.run_step(
+            batch, lambda: forward(self.ops, self.weights, batch), want_logits
+        )
+
+    def _sample(self, sessions: Sequence[Session], batch: StepBatch) -> list[TokenEvent]:
+        """Run the step and let each session take its token (device argmax where greedy)."""
+        out = self._run(batch, any(s.sampler.params.needs_logits for s in sessions))
+        events = []
+        for row, session in enumerate(sessions):
+            if session.sampler.params.needs_logits:
+                sampled = session.sampler.sample(out.logits[row])
+            else:
+                token, logprob = int(out.greedy_tokens[row]), float(out.greedy_logprobs[row])
+                sampled = SampledToken(token, logprob, ())
+            events.append(session.accept(sampled))
+        return events
+
     def prefill(
         self, session: Session, *, should_stop: Callable[[], bool] | None = None
     ) -> TokenEvent | None:
@@ -136,13 +160,13 @@ class Engine:
         while len(session.pending) > self.prefill_chunk:
             start = session.n_past
             chunk = session.take_pending(self.prefill_chunk)
-            forward(self.ops, self.weights, StepBatch.prefill(chunk, start, session.slot, "none"))
+            self._run(StepBatch.prefill(chunk, start, session.slot, "none"), False)
             if should_stop is not None and should_stop():
                 return None
         start = session.n_past
         chunk = session.take_pending(len(session.pending))
-        logits = forward(self.ops, self.weights, StepBatch.prefill(chunk, start, session.slot))
-        return session.accept(session.sampler.sample(self.backend.to_host(logits)[0]))
+        (event,) = self._sample([session], StepBatch.prefill(chunk, start, session.slot))
+        return event
 
     def decode(self, sessions: Sequence[Session]) -> list[TokenEvent]:
         """One batched decode step: each session feeds its one pending token."""
@@ -151,11 +175,17 @@ class Engine:
                 raise EngineError(f"session {s.session_id} is not ready to decode")
         positions = [s.n_past for s in sessions]
         tokens = [s.take_pending(1)[0] for s in sessions]
-        batch = StepBatch.decode(tokens, positions, [s.slot for s in sessions])
-        logits = self.backend.to_host(forward(self.ops, self.weights, batch))
-        return [s.accept(s.sampler.sample(row)) for s, row in zip(sessions, logits, strict=True)]
+        return self._sample(
+            sessions, StepBatch.decode(tokens, positions, [s.slot for s in sessions])
+        )
 
     def logits(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
-        """Logits after every position of `tokens` (teacher forcing), from an empty context."""
-        batch = StepBatch.prefill(list(tokens), 0, slot, "all")
-        return self.backend.to_host(forward(self.ops, self.weights, batch))
+        """Logits after every position of `tokens` (teacher forcing), from an empty context.
+
+        Runs chunk by chunk, as a prefill does; the slot's cache is overwritten.
+        """
+        rows = []
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = list(tokens[start : start + self.prefill_chunk])
+            rows.append(self._run(StepBatch.prefill(chunk, start, slot, "all"), True).logits)
+        return np.concatenate(rows, axis=0)

@@ -5,8 +5,11 @@ on a GPU). The GPU backends record the same sequence of ops into launch
 handles and a graph; the CPU backend runs them at once.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from rocforge_rt.engine.batch import StepBatch
 from rocforge_rt.model.gguf_file import ModelFile
@@ -42,6 +45,24 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: Any
     lm_head: Any
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one forward step hands back to the host."""
+
+    greedy_tokens: np.ndarray  # int32 [B]: argmax of each logits row
+    greedy_logprobs: np.ndarray  # float32 [B]: log-softmax of that token
+    logits: np.ndarray | None  # float32 [B, n_vocab], when asked for
+
+
+class StepRunner(Protocol):
+    """How a backend runs one step: `run_forward` issues the forward's ops (eagerly, or
+    under capture for a graph), then the backend samples greedily and reads back."""
+
+    def run_step(
+        self, batch: StepBatch, run_forward: Callable[[], Any], want_logits: bool
+    ) -> StepOutput: ...
 
 
 class WeightUploader(Protocol):

@@ -32,6 +32,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the host needs the whole logits row (else the device's argmax will do)."""
+        return not self.greedy or self.logprobs > 0
+
 
 @dataclass(frozen=True)
 class SampledToken:

@@ -49,7 +49,9 @@ class RequestRecord:
 class RequestTimer:
     """Timestamps of one request; owned by the engine thread until `finish`."""
 
-    def __init__(self, recorder: "LatencyRecorder", op: str, received: float, *, ttft: bool) -> None:
+    def __init__(
+        self, recorder: "LatencyRecorder", op: str, received: float, *, ttft: bool
+    ) -> None:
         self._recorder = recorder
         self.op = op
         self.received = received

@@ -110,7 +110,9 @@ Check = Callable[[str, Any], Any]
 
 def _fail(name: str, expected: str, value: Any) -> ProtocolError:
     found = "nil" if value is None else f"{type(value).__name__} {value!r:.60}"
-    return ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r}: expected {expected}, found {found}")
+    return ProtocolError(
+        ErrorCode.BAD_REQUEST, f"field {name!r}: expected {expected}, found {found}"
+    )
 
 
 def _int(lo: int, hi: int) -> Check:
@@ -245,7 +247,6 @@ def unpack(payload: bytes, max_bytes: int) -> Any:
             payload,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=max_bytes,
             max_str_len=max_bytes,
             max_bin_len=max_bytes,
             max_array_len=max_bytes,

@@ -1,0 +1,406 @@
+"""Python client of the rocforge daemon (ZeroMQ DEALER + msgpack).
+
+    with connect("tcp://127.0.0.1:5555") as client:
+        for reply in client.generate(messages=[{"role": "user", "content": "Hi"}]):
+            print(reply.text, end="", flush=True)
+
+Every call takes a `timeout` in seconds (the client's default when omitted): the
+longest wait for one reply, after which `Timeout` is raised. `deadline` asks the
+daemon to stop the request's work after that many seconds. Errors from the
+daemon raise the `ClientError` subclass of their code (see ERRORS). A Client
+owns one socket: use it from one thread (one Client per thread).
+"""
+
+import itertools
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from rocforge_rt.server.security import secure_client
+
+MAX_REPLY_BYTES = 64 << 20
+
+
+class ClientError(Exception):
+    """An error reply from the daemon (or a client-side failure: Timeout)."""
+
+    code = "client_error"
+
+    def __init__(self, message: str, reply: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reply = dict(reply or {})
+
+
+class Timeout(ClientError, TimeoutError):
+    """No reply within the call's timeout (the daemon is down, busy elsewhere, or unreachable)."""
+
+    code = "timeout"
+
+
+class BadRequest(ClientError):
+    """The request is malformed: msgpack, type, range or field."""
+
+    code = "bad_request"
+
+
+class UnknownOp(ClientError):
+    """The daemon has no such op."""
+
+    code = "unknown_op"
+
+
+class UnknownSession(ClientError):
+    """The session is not open for this client (closed, expired, never opened)."""
+
+    code = "unknown_session"
+
+
+class SessionBusy(ClientError):
+    """Another request is running on the session."""
+
+    code = "session_busy"
+
+
+class TurnFinished(ClientError):
+    """The session's turn has ended: append another turn."""
+
+    code = "turn_finished"
+
+
+class Busy(ClientError):
+    """Every session slot of the daemon is taken: retry later."""
+
+    code = "busy"
+
+
+class ContextFull(ClientError):
+    """The turn does not fit in the session's context window."""
+
+    code = "context_full"
+
+
+class TooLarge(ClientError):
+    """The request is larger than the daemon accepts."""
+
+    code = "too_large"
+
+
+class LimitExceeded(ClientError):
+    """The prompt or max_tokens is over the daemon's per-request limits."""
+
+    code = "limit_exceeded"
+
+
+class Aborted(ClientError):
+    """The request was aborted (or its session closed) before its first token."""
+
+    code = "aborted"
+
+
+class DeadlineExceeded(ClientError):
+    """The request's deadline passed before its first token."""
+
+    code = "deadline_exceeded"
+
+
+class NotReady(ClientError):
+    """The daemon is still loading its model."""
+
+    code = "not_ready"
+
+
+class ShuttingDown(ClientError):
+    """The daemon is stopping and takes no new work."""
+
+    code = "shutting_down"
+
+
+class Internal(ClientError):
+    """The daemon failed on this request (a bug); other requests are unaffected."""
+
+    code = "internal"
+
+
+ERRORS: dict[str, type[ClientError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        UnknownOp,
+        UnknownSession,
+        SessionBusy,
+        TurnFinished,
+        Busy,
+        ContextFull,
+        TooLarge,
+        LimitExceeded,
+        Aborted,
+        DeadlineExceeded,
+        NotReady,
+        ShuttingDown,
+        Internal,
+    )
+}
+
+
+@dataclass(frozen=True)
+class Token:
+    token: int
+    text: str
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenReply:
+    """Tokens from open, append, step, or one message of a generate stream."""
+
+    session: int
+    tokens: tuple[Token, ...]
+    text: str  # the text this reply releases (UTF-8-safe, stop strings cut)
+    finish_reason: str | None  # stop_token, stop_string, length, abort, error; None: going on
+    done: bool  # the request has ended (always True except mid-stream)
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    abort_reason: str | None = None
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> "TokenReply":
+        tokens = tuple(
+            Token(t["token"], t["text"], t["logprob"], tuple(map(tuple, t.get("top_logprobs", ()))))
+            for t in reply["tokens"]
+        )
+        return cls(
+            session=reply["session"],
+            tokens=tokens,
+            text=reply["text"],
+            finish_reason=reply["finish_reason"],
+            done=reply.get("done", True),
+            usage=reply.get("usage", {}),
+            timings=reply.get("timings", {}),
+            abort_reason=reply.get("abort_reason"),
+        )
+
+
+def raise_for_error(reply: Mapping[str, Any]) -> None:
+    if reply.get("ok"):
+        return
+    error = reply.get("error") or {}
+    code, message = error.get("code", "internal"), error.get("message", "no message")
+    raise ERRORS.get(code, ClientError)(f"{code}: {message}", reply)
+
+
+class Client:
+    """A connection to one daemon. Calls are sequential; see the module docstring."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        curve_keys: str | Path | None = None,
+        timeout: float = 30.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.linger = 0
+        self._socket.maxmsgsize = MAX_REPLY_BYTES
+        if curve_keys is not None:
+            secure_client(self._socket, Path(curve_keys))
+        self._socket.connect(addr)
+        self._ids = itertools.count(1)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.disconnect()
+
+    def disconnect(self) -> None:
+        """Close the socket (sessions stay open on the daemon until closed or idle)."""
+        self._socket.close(linger=0)
+
+    # --- transport ----------------------------------------------------------------------------
+    def send(self, op: str, **fields: Any) -> int:
+        """Send a request (fields that are None are left out); returns its id."""
+        rid = next(self._ids)
+        request = {"op": op, "id": rid, **{k: v for k, v in fields.items() if v is not None}}
+        self._socket.send(msgpack.packb(request, use_bin_type=True))
+        return rid
+
+    def receive(self, rid: int, timeout: float | None = None) -> dict[str, Any]:
+        """The next reply to request `rid` (replies to other ids are dropped)."""
+        limit = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            left = limit - time.monotonic()
+            if left <= 0 or not self._socket.poll(max(1, int(left * 1000))):
+                raise Timeout(f"no reply from {self.addr} to request {rid} in time")
+            reply = msgpack.unpackb(self._socket.recv_multipart()[-1], raw=False)
+            if not isinstance(reply, dict):
+                continue
+            if reply.get("id") == rid:
+                return reply
+            if reply.get("id") is None and not reply.get("ok"):  # the daemon could not read an id
+                raise_for_error(reply)
+
+    def call(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """One request, one reply; raises the reply's error."""
+        reply = self.receive(self.send(op, **fields), timeout)
+        raise_for_error(reply)
+        return reply
+
+    # --- ops ----------------------------------------------------------------------------------
+    def info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("info", timeout=timeout)
+
+    def health(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("health", timeout=timeout)
+
+    def wait_ready(self, timeout: float = 60.0, *, poll: float = 0.1) -> dict[str, Any]:
+        """Ask `health` until the daemon is ready; Timeout when it is not ready in time."""
+        limit = time.monotonic() + timeout
+        while True:
+            left = limit - time.monotonic()
+            try:
+                health = self.health(timeout=max(0.05, min(1.0, left)))
+                if health["ready"]:
+                    return health
+            except Timeout:
+                pass
+            if time.monotonic() >= limit:
+                raise Timeout(f"{self.addr} not ready within {timeout} s")
+            time.sleep(poll)
+
+    def stats(
+        self, *, reset: bool = False, records: int = 0, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return self.call("stats", timeout=timeout, reset=reset or None, records=records or None)
+
+    def trace(self, *, steps: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Chrome/Perfetto trace JSON of the daemon's last steps."""
+        return self.call("trace", timeout=timeout, steps=steps)["trace"]
+
+    def open(
+        self,
+        prompt: str | None = None,
+        *,
+        tokens: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **turn: Any,
+    ) -> TokenReply:
+        """Open a session with a prompt; the reply holds its id and first token.
+
+        `turn` takes max_tokens, temperature, top_k, top_p, seed, logprobs and stop.
+        """
+        fields = _turn_fields(prompt, tokens, messages, deadline, turn)
+        return TokenReply.from_reply(self.call("open", timeout=timeout, **fields))
+
+    def append(
+        self,
+        session: int,
+        prompt: str | None = None,
+        *,
+        tokens: Sequence[int] | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **turn: Any,
+    ) -> TokenReply:
+        """Another turn (text or ids) into a session; the reply holds its first token."""
+        fields = _turn_fields(prompt, tokens, None, deadline, turn)
+        return TokenReply.from_reply(
+            self.call("append", timeout=timeout, session=session, **fields)
+        )
+
+    def step(
+        self,
+        session: int,
+        n: int = 1,
+        *,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> TokenReply:
+        """The next n tokens of a session's turn (fewer if the turn ends)."""
+        reply = self.call("step", timeout=timeout, session=session, n=n, deadline_ms=_ms(deadline))
+        return TokenReply.from_reply(reply)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        session: int | None = None,
+        tokens: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **turn: Any,
+    ) -> Iterator[TokenReply]:
+        """Stream a generation: of a new prompt (in a session of its own, closed at the end),
+        or the rest of an open session's turn. The last reply has `done` True. Leaving the
+        loop early aborts the request."""
+        if session is not None:
+            fields: dict[str, Any] = {"session": session, "deadline_ms": _ms(deadline)}
+        else:
+            fields = _turn_fields(prompt, tokens, messages, deadline, turn)
+        rid = self.send("generate", **fields)
+        done = False
+        try:
+            while not done:
+                reply = self.receive(rid, timeout)
+                raise_for_error(reply)
+                result = TokenReply.from_reply(reply)
+                done = result.done
+                yield result
+        finally:
+            if not done:
+                self.send("abort", request=rid)
+
+    def abort(
+        self,
+        *,
+        session: int | None = None,
+        request: int | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Stop the request running on a session (or with that id); False if none was."""
+        reply = self.call("abort", timeout=timeout, session=session, request=request)
+        return reply["aborted"]
+
+    def close(self, session: int, *, timeout: float | None = None) -> dict[str, Any]:
+        """Close a session (aborting its running request) and free its slot."""
+        return self.call("close", timeout=timeout, session=session)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _turn_fields(
+    prompt: str | None,
+    tokens: Sequence[int] | None,
+    messages: Sequence[Mapping[str, str]] | None,
+    deadline: float | None,
+    turn: Mapping[str, Any],
+) -> dict[str, Any]:
+    stop = turn.get("stop")
+    return {
+        **turn,
+        "prompt": prompt,
+        "tokens": None if tokens is None else list(tokens),
+        "messages": None if messages is None else [dict(m) for m in messages],
+        "stop": [stop] if isinstance(stop, str) else (list(stop) if stop else None),
+        "deadline_ms": _ms(deadline),
+    }
+
+
+def connect(addr: str, *, curve_keys: str | Path | None = None, timeout: float = 30.0) -> Client:
+    """A Client for the daemon at `addr` (CURVE keys folder: client.key_secret, server.key)."""
+    return Client(addr, curve_keys=curve_keys, timeout=timeout)

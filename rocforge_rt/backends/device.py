@@ -1,0 +1,650 @@
+"""The device-neutral half of the GPU drivers: records, counters, the executor-thread rule.
+
+`Driver` implements the interface the runtime uses (memory, copies, streams,
+events, modules, launches, stream capture -> graph -> replay) once, on top of
+`_api_*` primitives that each vendor module (``cuda.py``, ``hip.py``) supplies,
+one checked API call apiece (the launch primitive returns the call with its
+arguments bound, for `prepare_launch`, which checks each result). The records
+it hands out (`DeviceBuffer`, `PinnedBuffer`, `Stream`, `Event`, `Module`,
+`Function`, `Graph`, `GraphExec`) are plain Python objects holding the vendor
+handle; whatever is not released explicitly is released by `Driver.close()`.
+
+Executor contract: a driver belongs to one thread, the engine's executor (the
+thread that made it, or one that called `claim_executor_thread`). Every call
+from any other thread raises `BackendError` before touching the device: the
+runtime's per-handle argument bytes, the step-state buffer and stream order are
+only race-free when one thread issues all the work.
+
+Copy semantics: a `PinnedBuffer` source or destination gives an asynchronous
+copy on the given stream (the legacy/null stream when None); the host must not
+touch that pinned memory until the copy has executed. A numpy array gives a
+synchronous copy: host-blocking, ordered after the work already queued on the
+driver's streams (they are created blocking, i.e. ordered with the null
+stream), counted as a sync, and illegal during stream capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from rocforge_rt.errors import BackendError
+
+# Generation ids of device memory: each (re)allocation and each free takes a new
+# one, so a graph that remembers a buffer's generation sees any reallocation.
+_GENERATIONS = itertools.count(1)
+_get_ident = threading.get_ident
+
+# Release order at close: graph execs, graphs, events, streams, modules, memory.
+_EXEC, _GRAPH, _EVENT, _STREAM, _MODULE, _PINNED, _DEVICE = range(7)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the runtime needs to know about a device."""
+
+    vendor: str  # 'cuda' | 'hip'
+    name: str
+    arch: str  # compile target, e.g. 'sm_90' or 'gfx90a'
+    warp_size: int
+    multiprocessors: int  # SMs (NVIDIA) or CUs (AMD)
+    total_memory: int  # bytes
+    l2_bytes: int
+    max_shared_per_block: int  # bytes one block may use (CUDA: past 48 KiB after opt-in)
+
+
+@dataclass
+class DriverCounters:
+    """What the overhead stats read: host-blocking waits, launches, graph replays."""
+
+    syncs: int = 0  # stream/event/device synchronizations and synchronous copies
+    launches: int = 0  # kernel launch calls, including those recorded into a graph
+    captures: int = 0  # stream captures ended (graphs made)
+    graph_replays: int = 0  # graph launches
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+    def reset(self) -> None:
+        self.syncs = self.launches = self.captures = self.graph_replays = 0
+
+
+def check(api_name: str, result: Any) -> Any:
+    """Unwrap a cuda-bindings or hip-python return value, raising `BackendError` on failure.
+
+    Both return a tuple ``(status, *values)`` whose status is an int enum, 0 on
+    success. Returns None for no value, the value itself for one, else the tuple.
+    """
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        name = getattr(status, "name", str(status))
+        raise BackendError(f"{api_name} failed: {name} ({int(status)})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class DeviceBuffer:
+    """Device memory: `ptr` (an int) and `nbytes`; `generation` changes on every reallocation."""
+
+    __slots__ = ("_driver", "generation", "nbytes", "ptr")
+
+    def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
+        self._driver = driver
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.generation = next(_GENERATIONS)
+
+    def free(self) -> None:
+        """Release the memory now (otherwise `Driver.close` does); `ptr` becomes 0."""
+        self._driver.free(self)
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(ptr={self.ptr:#x}, nbytes={self.nbytes}, gen={self.generation})"
+
+
+class PinnedBuffer:
+    """Page-locked host memory, the source or target of asynchronous copies."""
+
+    __slots__ = ("_bytes", "_driver", "nbytes", "ptr")
+
+    def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
+        self._driver = driver
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._bytes = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def view(self, dtype: Any, shape: int | tuple[int, ...]) -> np.ndarray:
+        """A numpy array over the first bytes of this memory (no copy; invalid once freed)."""
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes > self.nbytes:
+            raise ValueError(
+                f"a {dtype} view of shape {shape} needs {nbytes} bytes of {self.nbytes}"
+            )
+        return self._bytes[:nbytes].view(dtype).reshape(shape)
+
+    def free(self) -> None:
+        """Release the memory now (otherwise `Driver.close` does); views become invalid."""
+        self._driver.free(self)
+
+
+class Stream:
+    """An in-order work queue on the device."""
+
+    __slots__ = ("_driver", "handle")
+
+    def __init__(self, driver: Driver, handle: Any) -> None:
+        self._driver = driver
+        self.handle = handle
+
+    def synchronize(self) -> None:
+        """Block until everything queued so far has run (counted as a sync)."""
+        self._driver.stream_synchronize(self)
+
+
+class Event:
+    """A marker in a stream, for ordering and timing."""
+
+    __slots__ = ("_driver", "handle", "timing")
+
+    def __init__(self, driver: Driver, handle: Any, timing: bool) -> None:
+        self._driver = driver
+        self.handle = handle
+        self.timing = timing
+
+    def record(self, stream: Stream) -> None:
+        self._driver.event_record(self, stream)
+
+    def synchronize(self) -> None:
+        """Block until the recorded work has run (counted as a sync)."""
+        self._driver.event_synchronize(self)
+
+    def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds from this event to `end`; both must have completed."""
+        return self._driver.event_elapsed_ms(self, end)
+
+
+class Function:
+    """A kernel in a loaded module."""
+
+    __slots__ = ("_driver", "handle", "name")
+
+    def __init__(self, driver: Driver, handle: Any, name: str) -> None:
+        self._driver = driver
+        self.handle = handle
+        self.name = name
+
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        """Allow launches with up to `nbytes` of dynamic shared memory."""
+        self._driver.set_max_dynamic_shared(self, nbytes)
+
+    def __repr__(self) -> str:
+        return f"Function({self.name!r})"
+
+
+class Module:
+    """A loaded code object (CUBIN or AMD HSACO)."""
+
+    __slots__ = ("_code", "_driver", "_functions", "handle")
+
+    def __init__(self, driver: Driver, handle: Any, code: bytes) -> None:
+        self._driver = driver
+        self.handle = handle
+        self._code = code  # kept alive as long as the module
+        self._functions: dict[str, Function] = {}
+
+    def function(self, name: str) -> Function:
+        """The kernel called `name`; raises `BackendError` naming it when the module lacks it."""
+        if name not in self._functions:
+            self._functions[name] = self._driver.module_function(self, name)
+        return self._functions[name]
+
+
+class Graph:
+    """A captured sequence of device work, not yet executable."""
+
+    __slots__ = ("_driver", "handle")
+
+    def __init__(self, driver: Driver, handle: Any) -> None:
+        self._driver = driver
+        self.handle = handle
+
+    def instantiate(self) -> GraphExec:
+        return self._driver.graph_instantiate(self)
+
+    def destroy(self) -> None:
+        self._driver.release(self)
+
+
+class GraphExec:
+    """An executable graph; each `launch` replays the captured work with the captured arguments."""
+
+    __slots__ = ("_driver", "handle")
+
+    def __init__(self, driver: Driver, handle: Any) -> None:
+        self._driver = driver
+        self.handle = handle
+
+    def launch(self, stream: Stream) -> None:
+        self._driver.graph_launch(self, stream)
+
+    def destroy(self) -> None:
+        self._driver.release(self)
+
+
+def _host_span(array: np.ndarray, writable: bool) -> tuple[int, int]:
+    if not array.flags.c_contiguous:
+        raise ValueError("host arrays for device copies must be C-contiguous")
+    if writable and not array.flags.writeable:
+        raise ValueError("the destination array is read-only")
+    return array.ctypes.data, array.nbytes
+
+
+def _device_span(buf: DeviceBuffer, offset: int, nbytes: int) -> int:
+    if not buf.ptr:
+        raise BackendError("device buffer used after free()")
+    if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
+        raise ValueError(f"{nbytes} bytes at offset {offset} overrun a {buf.nbytes}-byte buffer")
+    return buf.ptr + offset
+
+
+class Driver(ABC):
+    """One device, driven from one executor thread; vendor subclasses supply `_api_*`.
+
+    A subclass's ``__init__`` initializes the API, makes the device current on
+    the calling thread and then calls ``super().__init__(info)``; it names its
+    launch call in `_launch_api` for error messages.
+    """
+
+    _launch_api = "launch"
+
+    def __init__(self, info: DeviceInfo) -> None:
+        self.info = info
+        self.counters = DriverCounters()
+        self.owner_thread: int | None = threading.get_ident()
+        self._owner_name = threading.current_thread().name
+        self._owned: dict[int, tuple[int, Callable[[], None]]] = {}
+
+    # --- executor thread ---------------------------------------------------------------------
+    def check_thread(self) -> None:
+        """Raise `BackendError` unless called from the executor thread of an open driver."""
+        if threading.get_ident() == self.owner_thread:
+            return
+        if self.owner_thread is None:
+            raise BackendError(f"{self.info.vendor} driver is closed")
+        raise BackendError(
+            f"{self.info.vendor} driver called from thread "
+            f"{threading.current_thread().name!r}, but it belongs to its executor thread "
+            f"{self._owner_name!r}: one thread issues all device work (hand it over "
+            "with claim_executor_thread())"
+        )
+
+    def claim_executor_thread(self) -> None:
+        """Make the calling thread the executor; the previous one must have stopped using it."""
+        if self.owner_thread is None:
+            raise BackendError(f"{self.info.vendor} driver is closed")
+        self._api_bind_thread()
+        self.owner_thread = threading.get_ident()
+        self._owner_name = threading.current_thread().name
+
+    # --- memory ------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        """Uninitialized device memory."""
+        self.check_thread()
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        buf = DeviceBuffer(self, self._api_alloc(nbytes), nbytes)
+        self._own(buf, _DEVICE, lambda: self._free_device(buf))
+        return buf
+
+    def realloc(self, buf: DeviceBuffer, nbytes: int) -> None:
+        """Give `buf` new memory of `nbytes` (contents lost); its generation changes."""
+        self.check_thread()
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        ptr = self._api_alloc(nbytes)
+        self._free_device(buf)
+        buf.ptr, buf.nbytes, buf.generation = ptr, nbytes, next(_GENERATIONS)
+        self._own(buf, _DEVICE, lambda: self._free_device(buf))
+
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        """Page-locked host memory."""
+        self.check_thread()
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        buf = PinnedBuffer(self, self._api_host_alloc(nbytes), nbytes)
+        self._own(buf, _PINNED, lambda: self._free_pinned(buf))
+        return buf
+
+    def free(self, buf: DeviceBuffer | PinnedBuffer) -> None:
+        """Release a buffer now; freeing twice is harmless."""
+        self.check_thread()
+        self.release(buf)
+
+    def copy_htod(
+        self,
+        dst: DeviceBuffer,
+        src: np.ndarray | PinnedBuffer,
+        stream: Stream | None = None,
+        dst_offset: int = 0,
+        nbytes: int | None = None,
+    ) -> None:
+        """Copy `src` (all of it, or its first `nbytes`) into `dst` at `dst_offset`."""
+        self.check_thread()
+        if isinstance(src, PinnedBuffer):
+            count = src.nbytes if nbytes is None else nbytes
+            if count > src.nbytes:
+                raise ValueError(f"{count} bytes requested from a {src.nbytes}-byte pinned buffer")
+            target = _device_span(dst, dst_offset, count)
+            self._api_copy_htod_async(target, src.ptr, count, _handle(stream))
+            return
+        host, size = _host_span(src, writable=False)
+        count = size if nbytes is None else nbytes
+        if count > size:
+            raise ValueError(f"{count} bytes requested from a {size}-byte host array")
+        self._api_copy_htod(_device_span(dst, dst_offset, count), host, count)
+        self.counters.syncs += 1
+
+    def copy_dtoh(
+        self,
+        dst: np.ndarray | PinnedBuffer,
+        src: DeviceBuffer,
+        stream: Stream | None = None,
+        src_offset: int = 0,
+        nbytes: int | None = None,
+    ) -> None:
+        """Copy `nbytes` (default: all of `dst`) from `src` at `src_offset` into `dst`."""
+        self.check_thread()
+        if isinstance(dst, PinnedBuffer):
+            host, size = dst.ptr, dst.nbytes
+        else:
+            host, size = _host_span(dst, writable=True)
+        count = size if nbytes is None else nbytes
+        if count > size:
+            raise ValueError(f"{count} bytes do not fit a {size}-byte host destination")
+        source = _device_span(src, src_offset, count)
+        if isinstance(dst, PinnedBuffer):
+            self._api_copy_dtoh_async(host, source, count, _handle(stream))
+            return
+        self._api_copy_dtoh(host, source, count)
+        self.counters.syncs += 1
+
+    def memset(self, dst: DeviceBuffer, byte: int, stream: Stream | None = None) -> None:
+        """Set every byte of `dst` to `byte`, asynchronously on `stream`."""
+        self.check_thread()
+        self._api_memset(_device_span(dst, 0, dst.nbytes), byte, dst.nbytes, _handle(stream))
+
+    # --- streams and events ------------------------------------------------------------------
+    def create_stream(self) -> Stream:
+        self.check_thread()
+        stream = Stream(self, self._api_stream_create())
+        self._own(stream, _STREAM, lambda: self._api_stream_destroy(stream.handle))
+        return stream
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        self.check_thread()
+        self._api_stream_synchronize(stream.handle)
+        self.counters.syncs += 1
+
+    def create_event(self, timing: bool = True) -> Event:
+        self.check_thread()
+        event = Event(self, self._api_event_create(timing), timing)
+        self._own(event, _EVENT, lambda: self._api_event_destroy(event.handle))
+        return event
+
+    def event_record(self, event: Event, stream: Stream) -> None:
+        self.check_thread()
+        self._api_event_record(event.handle, stream.handle)
+
+    def event_synchronize(self, event: Event) -> None:
+        self.check_thread()
+        self._api_event_synchronize(event.handle)
+        self.counters.syncs += 1
+
+    def event_elapsed_ms(self, start: Event, end: Event) -> float:
+        self.check_thread()
+        if not (start.timing and end.timing):
+            raise BackendError("elapsed time needs two events created with timing=True")
+        return self._api_event_elapsed_ms(start.handle, end.handle)
+
+    def synchronize(self) -> None:
+        """Block until all work on the device has run (counted as a sync)."""
+        self.check_thread()
+        self._api_synchronize()
+        self.counters.syncs += 1
+
+    # --- modules and launches ----------------------------------------------------------------
+    def load_module(self, code: bytes) -> Module:
+        """Load a code object compiled for this device (see `KernelLibrary`)."""
+        self.check_thread()
+        module = Module(self, self._api_module_load(code), code)
+        self._own(module, _MODULE, lambda: self._api_module_unload(module.handle))
+        return module
+
+    def module_function(self, module: Module, name: str) -> Function:
+        self.check_thread()
+        try:
+            handle = self._api_module_function(module.handle, name)
+        except BackendError as exc:
+            raise BackendError(f"{exc}: kernel {name!r} is not in this module") from None
+        return Function(self, handle, name)
+
+    def set_max_dynamic_shared(self, function: Function, nbytes: int) -> None:
+        self.check_thread()
+        if nbytes > self.info.max_shared_per_block:
+            raise BackendError(
+                f"{function.name}: {nbytes} bytes of shared memory exceed the device's "
+                f"{self.info.max_shared_per_block} per block"
+            )
+        self._api_set_max_dynamic_shared(function.handle, nbytes)
+
+    def prepare_launch(
+        self,
+        function: Function,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Stream,
+        params_ptr: int,
+    ) -> Callable[[], None]:
+        """A zero-argument launcher with every API argument bound once (the hot path).
+
+        `params_ptr` is the address of the kernel's ``void*[]`` parameters; the
+        driver copies what it points at on each call (and a captured launch keeps
+        its copy), so that memory may be rewritten between calls.
+        """
+        self.check_thread()
+        call = self._api_launcher(
+            function.handle, grid, block, shared_bytes, stream.handle, params_ptr
+        )
+        api, counters = self._launch_api, self.counters
+
+        def launch() -> None:
+            if _get_ident() != self.owner_thread:
+                self.check_thread()
+            result = call()
+            if result[0]:
+                check(api, result)
+            counters.launches += 1
+
+        return launch
+
+    def launch(
+        self,
+        function: Function,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Stream,
+        params_ptr: int,
+    ) -> None:
+        """Launch `function` once (see `prepare_launch`, which repeated launches should use)."""
+        self.prepare_launch(function, grid, block, shared_bytes, stream, params_ptr)()
+
+    # --- graphs ------------------------------------------------------------------------------
+    def begin_capture(self, stream: Stream) -> None:
+        """Start recording `stream`'s work into a graph (thread-local capture mode).
+
+        Thread-local mode makes the capturing (executor) thread's own unsafe calls
+        (synchronous copies, allocations, syncs) fail loudly instead of silently
+        breaking the capture, without constraining other threads of the process.
+        """
+        self.check_thread()
+        self._api_begin_capture(stream.handle)
+
+    def end_capture(self, stream: Stream) -> Graph:
+        """Stop recording `stream`; the graph holds copies of every captured launch's arguments."""
+        self.check_thread()
+        graph = Graph(self, self._api_end_capture(stream.handle))
+        self._own(graph, _GRAPH, lambda: self._api_graph_destroy(graph.handle))
+        self.counters.captures += 1
+        return graph
+
+    def graph_instantiate(self, graph: Graph) -> GraphExec:
+        self.check_thread()
+        exe = GraphExec(self, self._api_graph_instantiate(graph.handle))
+        self._own(exe, _EXEC, lambda: self._api_graph_exec_destroy(exe.handle))
+        return exe
+
+    def graph_launch(self, exe: GraphExec, stream: Stream) -> None:
+        self.check_thread()
+        self._api_graph_launch(exe.handle, stream.handle)
+        self.counters.graph_replays += 1
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def release(self, record: object) -> None:
+        """Destroy one record made by this driver (buffer, stream, event, module, graph)."""
+        self.check_thread()
+        entry = self._owned.pop(id(record), None)
+        if entry is not None:
+            entry[1]()
+
+    def close(self) -> None:
+        """Wait for the device, release everything not yet released, let go of the device.
+
+        Keeps going past failures (a faulted context fails every call) and raises
+        the first one at the end. Closing twice is harmless.
+        """
+        if self.owner_thread is None:
+            return
+        self.check_thread()
+        first: BackendError | None = None
+        steps = [self._api_synchronize]
+        steps += [release for _, release in sorted(self._owned.values(), key=lambda e: e[0])]
+        steps.append(self._api_close)
+        self._owned.clear()
+        for step in steps:
+            try:
+                step()
+            except BackendError as exc:
+                first = first or exc
+        self.owner_thread = None
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _own(self, record: object, rank: int, release: Callable[[], None]) -> None:
+        self._owned[id(record)] = (rank, release)
+
+    def _free_device(self, buf: DeviceBuffer) -> None:
+        if buf.ptr:
+            self._api_free(buf.ptr)
+            buf.ptr, buf.generation = 0, next(_GENERATIONS)
+
+    def _free_pinned(self, buf: PinnedBuffer) -> None:
+        if buf.ptr:
+            self._api_host_free(buf.ptr)
+            buf.ptr, buf._bytes = 0, np.empty(0, dtype=np.uint8)
+
+    # --- vendor primitives: one checked API call each ------------------------------------------
+    @abstractmethod
+    def _api_bind_thread(self) -> None: ...
+    @abstractmethod
+    def _api_close(self) -> None: ...
+    @abstractmethod
+    def _api_synchronize(self) -> None: ...
+    @abstractmethod
+    def _api_alloc(self, nbytes: int) -> int: ...
+    @abstractmethod
+    def _api_free(self, ptr: int) -> None: ...
+    @abstractmethod
+    def _api_host_alloc(self, nbytes: int) -> int: ...
+    @abstractmethod
+    def _api_host_free(self, ptr: int) -> None: ...
+    @abstractmethod
+    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None: ...
+    @abstractmethod
+    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None: ...
+    @abstractmethod
+    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_stream_create(self) -> Any: ...
+    @abstractmethod
+    def _api_stream_destroy(self, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_stream_synchronize(self, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_event_create(self, timing: bool) -> Any: ...
+    @abstractmethod
+    def _api_event_destroy(self, event: Any) -> None: ...
+    @abstractmethod
+    def _api_event_record(self, event: Any, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_event_synchronize(self, event: Any) -> None: ...
+    @abstractmethod
+    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float: ...
+    @abstractmethod
+    def _api_module_load(self, code: bytes) -> Any: ...
+    @abstractmethod
+    def _api_module_unload(self, module: Any) -> None: ...
+    @abstractmethod
+    def _api_module_function(self, module: Any, name: str) -> Any: ...
+    @abstractmethod
+    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None: ...
+    @abstractmethod
+    def _api_launcher(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Any,
+        params_ptr: int,
+    ) -> Callable[[], Any]:
+        """The launch API call with all arguments bound, returning its raw result tuple."""
+
+    @abstractmethod
+    def _api_begin_capture(self, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_end_capture(self, stream: Any) -> Any: ...
+    @abstractmethod
+    def _api_graph_instantiate(self, graph: Any) -> Any: ...
+    @abstractmethod
+    def _api_graph_launch(self, exe: Any, stream: Any) -> None: ...
+    @abstractmethod
+    def _api_graph_destroy(self, graph: Any) -> None: ...
+    @abstractmethod
+    def _api_graph_exec_destroy(self, exe: Any) -> None: ...
+
+
+def _handle(stream: Stream | None) -> Any:
+    """The vendor handle of `stream`; None selects the null (legacy default) stream."""
+    return None if stream is None else stream.handle

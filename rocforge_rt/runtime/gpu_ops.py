@@ -1,0 +1,527 @@
+"""The forward ops on a GPU: weights repacked at load, each op one or a few kernel launches.
+
+Works over any driver with the interface of backends/cuda.py (CUDA) and
+backends/hip.py (HIP). Per-step values (tokens, positions, KV slots) live in a
+device step-state buffer that the kernels read through pointers, so a launch
+handle's arguments are the same bytes from one decode step to the next.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.forward import StepOutput
+from rocforge_rt.engine.rope import rope_tables
+from rocforge_rt.errors import BackendError
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.hparams import HParams
+from rocforge_rt.runtime.graph import StepGraph
+from rocforge_rt.runtime.kernel_library import KernelLibrary
+from rocforge_rt.runtime.launch import ARG_CACHE_STATS, LaunchHandle
+
+QK = 32  # elements per quant block
+GEMV_THREADS = 256
+GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes (kernels/gemv.hip)
+GEMV_SHARED_LIMIT = 48 * 1024  # portable without opt-in (AMD LDS is 64 KiB)
+EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
+EMBED_THREADS = 256
+ROPE_THREADS = 256
+ATTN_THREADS = 128
+ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 8, 128
+ARGMAX_THREADS = 1024
+
+GEMV_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32", "i32", "i32", "ptr", "ptr")
+EMBED_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr")
+ROPE_ARGS = ("ptr",) * 8 + ("i32",) * 6
+ATTN_ARGS = ("ptr",) * 5 + ("i32",) * 4 + ("f32", "i32", "ptr", "ptr", "ptr")
+ARGMAX_ARGS = ("ptr", "i32", "ptr", "ptr", "ptr", "ptr")
+STEP_MODES = ("per-kernel-sync", "deferred", "graph")
+
+_BLOCK_LAYOUT = {
+    # type: (bytes per GGUF block, bytes of quants per block, format name)
+    GGMLQuantizationType.Q4_0: (18, 16, "q4_0"),
+    GGMLQuantizationType.Q8_0: (34, 32, "q8_0"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceMatrix:
+    """A quantized weight matrix on the device, quants and f16 scales stored apart."""
+
+    fmt: str  # "q4_0" | "q8_0"
+    n: int  # output rows
+    k: int  # input columns
+    qs: Any
+    d: Any
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Rows of fp32 activations in a device buffer, starting `offset` bytes in."""
+
+    buf: Any
+    rows: int
+    width: int
+    offset: int = 0
+
+    @property
+    def ptr(self) -> int:
+        return self.buf.ptr + self.offset
+
+
+def repack_rows(tensors: Sequence[WeightTensor]) -> tuple[str, np.ndarray, np.ndarray]:
+    """Row-stack GGUF Q4_0/Q8_0 tensors and split each block into quants and scale.
+
+    Returns (format, quants uint8 [n, k * bits / 8], scales uint16 [n, k / 32]):
+    the same bytes as the GGUF, scales moved apart so quants are 16-byte aligned.
+    """
+    types = {t.ggml_type for t in tensors}
+    if len(types) != 1 or next(iter(types)) not in _BLOCK_LAYOUT:
+        names = ", ".join(f"{t.name} ({t.ggml_type.name})" for t in tensors)
+        raise BackendError(f"the GPU backend reads Q4_0 or Q8_0 matrices only; got {names}")
+    block_bytes, quant_bytes, fmt = _BLOCK_LAYOUT[types.pop()]
+    raw = np.concatenate([np.asarray(t.data, dtype=np.uint8) for t in tensors], axis=0)
+    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(raw.shape[0], -1)
+    quants = np.ascontiguousarray(blocks[:, :, 2:]).reshape(raw.shape[0], -1)
+    assert quants.shape[1] == blocks.shape[1] * quant_bytes
+    return fmt, quants, scales
+
+
+class GpuBackend:
+    """Weight uploader and forward ops over a device driver and the kernel library."""
+
+    def __init__(
+        self,
+        driver: Any,
+        compiler: Any,
+        hparams: HParams,
+        *,
+        n_slots: int,
+        n_ctx: int,
+        max_tokens: int = 128,
+        mode: str = "graph",
+    ) -> None:
+        if mode not in STEP_MODES:
+            raise BackendError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
+        self._check_shapes(hparams)
+        self.driver = driver
+        self.name = driver.info.vendor
+        self.hparams = hparams
+        self.n_ctx = n_ctx
+        self.max_tokens = max_tokens
+        self.mode = mode
+        self.stream = driver.create_stream()
+        self._functions = self._load_kernels(KernelLibrary(compiler))
+        self._handles: dict[tuple, LaunchHandle] = {}
+        self._recording: list[LaunchHandle] | None = None  # handles launched under capture
+        self._graphs: dict[int, StepGraph] = {}  # decode graphs by batch size
+        self._device_state: tuple[bytes, bytes, bytes] | None = None  # what the step state holds
+        self._allocated: list[Any] = []
+        hp = hparams
+        f32 = 4
+        # KV pool: per layer [n_slots, n_ctx, n_kv, head_dim] fp16, zeroed.
+        self.k_cache = [self._zeros(n_slots * n_ctx * hp.kv_dim_k * 2) for _ in range(hp.n_layer)]
+        self.v_cache = [self._zeros(n_slots * n_ctx * hp.kv_dim_v * 2) for _ in range(hp.n_layer)]
+        cos, sin = rope_tables(hp, n_ctx)
+        self.rope_cos, self.rope_sin = self._upload(cos), self._upload(sin)
+        # Step state (read by kernels through pointers) and its pinned staging area.
+        self.step_tokens = self._zeros(max_tokens * 4)
+        self.step_positions = self._zeros(max_tokens * 4)
+        self.step_slots = self._zeros(max_tokens * 4)
+        self._staging = [driver.alloc_pinned(max_tokens * 4) for _ in range(3)]
+        # Greedy sampling results, read back through pinned memory.
+        self.sampled = self._zeros(max_tokens * 4)
+        self.sampled_logprob = self._zeros(max_tokens * 4)
+        self._sampled_host = driver.alloc_pinned(max_tokens * 4)
+        self._logprob_host = driver.alloc_pinned(max_tokens * 4)
+        self._logits_host = driver.alloc_pinned(max_tokens * hparams.n_vocab * 4)
+        self.steps = 0
+        # Activations.
+        self.x = self._zeros(max_tokens * hp.n_embd * f32)
+        self.qkv = self._zeros(max_tokens * (hp.q_dim + hp.kv_dim_k + hp.kv_dim_v) * f32)
+        self.q = self._zeros(max_tokens * hp.q_dim * f32)
+        self.attn = self._zeros(max_tokens * hp.n_head * hp.head_dim_v * f32)
+        self.h = self._zeros(max_tokens * hp.n_ff * f32)
+        self.logits = self._zeros(max_tokens * hp.n_vocab * f32)
+        # Split-K attention scratch; counters start at zero and the kernel resets them.
+        self.attn_split_len = max(QK, math.ceil(n_ctx / 16 / QK) * QK)
+        self.attn_splits = math.ceil(n_ctx / self.attn_split_len)
+        self.attn_partial = self._zeros(
+            max_tokens * hp.n_head * self.attn_splits * (hp.head_dim_v + 2) * f32
+        )
+        self.attn_counters = self._zeros(max_tokens * hp.n_head_kv * 4)
+        driver.synchronize()
+
+    # --- set-up ------------------------------------------------------------------------
+    @staticmethod
+    def _check_shapes(hp: HParams) -> None:
+        problems = []
+        if hp.head_dim_k != hp.head_dim_v:
+            problems.append(f"key length {hp.head_dim_k} != value length {hp.head_dim_v}")
+        if hp.head_dim_k % QK or hp.head_dim_k > ATTN_MAX_HEAD_DIM:
+            problems.append(f"head dim {hp.head_dim_k} is not a multiple of 32 up to 128")
+        if hp.gqa_group > ATTN_MAX_GROUP:
+            problems.append(f"{hp.gqa_group} query heads per KV head (at most 8)")
+        if problems:
+            raise BackendError(
+                "the GPU attention kernel cannot run this model: " + "; ".join(problems)
+            )
+
+    def _load_kernels(self, library: KernelLibrary) -> dict[str, Any]:
+        functions = {}
+        for source in library.sources():
+            code = library.load(source)
+            module = self.driver.load_module(code.code)
+            for name in code.kernels:
+                functions[name] = module.function(name)
+        return functions
+
+    def _zeros(self, nbytes: int) -> Any:
+        buf = self.driver.alloc(max(nbytes, 4))
+        self.driver.memset(buf, 0)
+        self._allocated.append(buf)
+        return buf
+
+    def _upload(self, array: np.ndarray) -> Any:
+        array = np.ascontiguousarray(array)
+        buf = self.driver.alloc(array.nbytes)
+        self.driver.copy_htod(buf, array)
+        self._allocated.append(buf)
+        return buf
+
+    def device_info(self) -> dict[str, object]:
+        info = self.driver.info
+        return {"backend": self.name, "device": info.name, "arch": info.arch}
+
+    # --- weights -------------------------------------------------------------------------
+    def linear(self, *tensors: WeightTensor) -> DeviceMatrix:
+        fmt, quants, scales = repack_rows(tensors)
+        n, k = quants.shape[0], tensors[0].shape[1]
+        return DeviceMatrix(fmt, n, k, self._upload(quants), self._upload(scales))
+
+    def vector(self, tensor: WeightTensor) -> Any:
+        return self._upload(np.asarray(tensor.data, dtype=np.float32))
+
+    def embedding(self, tensor: WeightTensor) -> DeviceMatrix:
+        return self.linear(tensor)
+
+    # --- launching -------------------------------------------------------------------------
+    def _launch(
+        self,
+        key: tuple,
+        kernel: str,
+        arg_types: Sequence[str],
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[int | float],
+        shared_bytes: int = 0,
+    ) -> None:
+        """Launch through the handle that owns this call site; its args repack only on change.
+
+        A handle's geometry is fixed, so it is part of the key: a call site whose grid
+        or shared memory changes gets another handle, never a stale launch shape.
+        """
+        key = (*key, kernel, grid, block, shared_bytes)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = LaunchHandle(
+                self.driver,
+                self._functions[kernel],
+                name=kernel,
+                grid=grid,
+                block=block,
+                shared_bytes=shared_bytes,
+                stream=self.stream,
+                arg_types=arg_types,
+            )
+            self._handles[key] = handle
+        handle.set_args(*args)
+        handle.launch()
+        if self._recording is not None:
+            self._recording.append(handle)
+        if self.mode == "per-kernel-sync":
+            self.stream.synchronize()
+
+    def _gemv(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int,
+        *,
+        gain: Any = None,
+        epilogue: int = EPILOGUE_STORE,
+        residual_ptr: int = 0,
+    ) -> None:
+        """out = W x for every activation row, GEMV_MAX_ROWS (or fewer, to fit) per launch."""
+        k = matrix.k
+        per_row_shared = k + (k // QK) * 8
+        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - 64) // per_row_shared))
+        warps = GEMV_THREADS // self.driver.info.warp_size
+        target_blocks = 2 * self.driver.info.multiprocessors
+        rows_per_warp = max(1, min(4, n_out // (warps * target_blocks)))
+        grid = (math.ceil(n_out / (warps * rows_per_warp)), 1, 1)
+        kernel = f"rf_gemv_{matrix.fmt}"
+        gain_ptr = gain.ptr if gain is not None else 0
+        for first in range(0, x.rows, max_rows):
+            rows = min(max_rows, x.rows - first)
+            shared = rows * per_row_shared + warps * 4
+            out_offset = first * n_out * 4
+            self._launch(
+                ("gemv", matrix.qs.ptr, epilogue, first, rows, x.ptr),
+                kernel,
+                GEMV_ARGS,
+                grid,
+                (GEMV_THREADS, 1, 1),
+                (
+                    matrix.qs.ptr,
+                    matrix.d.ptr,
+                    n_out,
+                    k,
+                    x.ptr + first * k * 4,
+                    rows,
+                    gain_ptr,
+                    self.hparams.rms_eps,
+                    rows_per_warp,
+                    epilogue,
+                    residual_ptr + out_offset if residual_ptr else 0,
+                    out_ptr + out_offset,
+                ),
+                shared,
+            )
+
+    def load_activation(self, values: np.ndarray) -> Activation:
+        """Put fp32 rows into the layer-input buffer (for op-level tests and benchmarks)."""
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        self.driver.copy_htod(self.x, values)
+        return Activation(self.x, values.shape[0], values.shape[1])
+
+    # --- forward ops -------------------------------------------------------------------------
+    def embed(self, table: DeviceMatrix, batch: StepBatch) -> Activation:
+        n = batch.n_tokens
+        hp = self.hparams
+        self._launch(
+            ("embed", n),
+            f"rf_embed_{table.fmt}_split",
+            EMBED_ARGS,
+            (math.ceil(hp.n_embd / EMBED_THREADS), min(n, 65535), 1),
+            (EMBED_THREADS, 1, 1),
+            (table.qs.ptr, table.d.ptr, table.n, hp.n_embd, self.step_tokens.ptr, n, self.x.ptr),
+        )
+        return Activation(self.x, n, hp.n_embd)
+
+    def norm_matmul(self, x: Activation, norm: Any, weight: DeviceMatrix) -> Activation:
+        self._gemv(weight, x, weight.n, self.qkv.ptr, gain=norm)
+        return Activation(self.qkv, x.rows, weight.n)
+
+    def rope_kv_append(self, qkv: Activation, layer: int, batch: StepBatch) -> Activation:
+        hp = self.hparams
+        self._launch(
+            ("rope", layer, qkv.rows),
+            "rf_rope_kv_append",
+            ROPE_ARGS,
+            (qkv.rows, 1, 1),
+            (ROPE_THREADS, 1, 1),
+            (
+                qkv.ptr,
+                self.q.ptr,
+                self.k_cache[layer].ptr,
+                self.v_cache[layer].ptr,
+                self.step_positions.ptr,
+                self.step_slots.ptr,
+                self.rope_cos.ptr,
+                self.rope_sin.ptr,
+                hp.n_head,
+                hp.n_head_kv,
+                hp.head_dim_k,
+                hp.head_dim_v,
+                hp.rope_dims,
+                self.n_ctx,
+            ),
+        )
+        return Activation(self.q, qkv.rows, hp.q_dim)
+
+    def attention(self, q: Activation, layer: int, batch: StepBatch) -> Activation:
+        hp = self.hparams
+        self._launch(
+            ("attention", layer, q.rows),
+            "rf_attention",
+            ATTN_ARGS,
+            (hp.n_head_kv, q.rows, self.attn_splits),
+            (ATTN_THREADS, 1, 1),
+            (
+                q.ptr,
+                self.k_cache[layer].ptr,
+                self.v_cache[layer].ptr,
+                self.step_positions.ptr,
+                self.step_slots.ptr,
+                self.n_ctx,
+                hp.n_head,
+                hp.n_head_kv,
+                hp.head_dim_k,
+                float(np.float32(1.0 / math.sqrt(hp.head_dim_k))),
+                self.attn_split_len,
+                self.attn_partial.ptr,
+                self.attn_counters.ptr,
+                self.attn.ptr,
+            ),
+        )
+        return Activation(self.attn, q.rows, hp.n_head * hp.head_dim_v)
+
+    def matmul_add(self, x: Activation, weight: DeviceMatrix, residual: Activation) -> Activation:
+        self._gemv(
+            weight, x, weight.n, residual.ptr, epilogue=EPILOGUE_RESIDUAL, residual_ptr=residual.ptr
+        )
+        return residual
+
+    def norm_gate_up_swiglu(self, x: Activation, norm: Any, weight: DeviceMatrix) -> Activation:
+        n_ff = weight.n // 2
+        self._gemv(weight, x, n_ff, self.h.ptr, gain=norm, epilogue=EPILOGUE_SWIGLU)
+        return Activation(self.h, x.rows, n_ff)
+
+    def lm_head(
+        self, x: Activation, norm: Any, weight: DeviceMatrix, batch: StepBatch
+    ) -> Activation:
+        rows = batch.logit_rows
+        if len(rows) == 0:
+            return Activation(self.logits, 0, weight.n)
+        first = int(rows[0])
+        if not np.array_equal(rows, np.arange(first, first + len(rows))):
+            raise BackendError("the GPU LM head takes a contiguous range of rows")
+        picked = Activation(x.buf, len(rows), x.width, x.offset + first * x.width * 4)
+        self._gemv(weight, picked, weight.n, self.logits.ptr, gain=norm)
+        return Activation(self.logits, len(rows), weight.n)
+
+    def sample_greedy(self, logits: Activation) -> None:
+        """Argmax of each logits row into the step state (token, position + 1) and `sampled`."""
+        if logits.rows == 0:
+            return
+        self._launch(
+            ("argmax", logits.rows),
+            "rf_argmax_advance",
+            ARGMAX_ARGS,
+            (logits.rows, 1, 1),
+            (ARGMAX_THREADS, 1, 1),
+            (
+                logits.ptr,
+                logits.width,
+                self.step_tokens.ptr,
+                self.step_positions.ptr,
+                self.sampled.ptr,
+                self.sampled_logprob.ptr,
+            ),
+        )
+
+    # --- steps -------------------------------------------------------------------------------
+    def write_step_state(self, batch: StepBatch) -> None:
+        """Make the device step state hold this batch, copying only when it does not already.
+
+        Steady greedy decode needs no copy: the previous step's argmax kernel already
+        wrote each row's next token and advanced its position. The copy is issued on
+        the step's stream, so it lands before the launches (or graph) that read it.
+        """
+        n = batch.n_tokens
+        if n > self.max_tokens:
+            raise BackendError(f"{n} tokens in one step; this backend takes {self.max_tokens}")
+        values = (batch.tokens, batch.positions, batch.slots)
+        wanted = tuple(np.asarray(v, dtype=np.int32).tobytes() for v in values)
+        if wanted == self._device_state:
+            return
+        # Every step ends with a synchronization, so the staging area is free to reuse.
+        step = (self.step_tokens, self.step_positions, self.step_slots)
+        for staging, buf, value in zip(self._staging, step, values, strict=True):
+            staging.view(np.int32, (self.max_tokens,))[:n] = value
+            self.driver.copy_htod(buf, staging, self.stream)
+        self._device_state = wanted
+
+    def run_step(
+        self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
+    ) -> StepOutput:
+        """One step in this backend's mode; the only synchronization is the final readback."""
+        self.write_step_state(batch)
+        rows = len(batch.logit_rows)
+        decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
+        if self.mode == "graph" and decode_shape:
+            graph = self._graphs.get(rows)
+            if graph is None:
+                graph = StepGraph(self.driver, self.stream)
+                graph.capture(lambda: self._record(run_forward))
+                self._graphs[rows] = graph
+            graph.replay()
+            logits = Activation(self.logits, rows, self.hparams.n_vocab)
+        else:
+            logits = run_forward()
+            self.sample_greedy(logits)
+        tokens = self._sampled_host.view(np.int32, (self.max_tokens,))
+        logprobs = self._logprob_host.view(np.float32, (self.max_tokens,))
+        if rows:
+            self.driver.copy_dtoh(self._sampled_host, self.sampled, self.stream, nbytes=rows * 4)
+            self.driver.copy_dtoh(
+                self._logprob_host, self.sampled_logprob, self.stream, nbytes=rows * 4
+            )
+            if want_logits:
+                nbytes = rows * self.hparams.n_vocab * 4
+                self.driver.copy_dtoh(self._logits_host, self.logits, self.stream, nbytes=nbytes)
+        self.stream.synchronize()
+        self.steps += 1
+        greedy, greedy_logprobs = tokens[:rows].copy(), logprobs[:rows].copy()
+        host_logits = None
+        if want_logits:
+            shape = (self.max_tokens, self.hparams.n_vocab)
+            host_logits = self._logits_host.view(np.float32, shape)[:rows].copy()
+        self._device_state = (
+            (greedy.tobytes(), (batch.positions + 1).astype(np.int32).tobytes(),
+             batch.slots.astype(np.int32).tobytes())
+            if decode_shape
+            else None
+        )  # fmt: skip
+        return StepOutput(greedy, greedy_logprobs, host_logits)
+
+    def runtime_stats(self) -> dict[str, object]:
+        """Launches, syncs and graph replays per step, and the argument cache's counters."""
+        counters = self.driver.counters.snapshot()
+        steps = max(self.steps, 1)
+        cache = ARG_CACHE_STATS.snapshot()
+        return {
+            "mode": self.mode,
+            "steps": self.steps,
+            "launches_per_step": counters["launches"] / steps,
+            "syncs_per_step": counters["syncs"] / steps,
+            "graph_replay": self.mode == "graph",
+            "graph_replays": counters["graph_replays"],
+            "graph_captures": counters["captures"],
+            "launch_handles": len(self._handles),
+            "arg_cache_hits": cache["hits"],
+            "arg_cache_misses": cache["misses"],
+            "arg_bytes_repacked": cache["bytes_repacked"],
+        }
+
+    def reset_runtime_stats(self) -> None:
+        self.driver.counters.reset()
+        ARG_CACHE_STATS.reset()
+        self.steps = 0
+
+    def _record(self, run_forward: Callable[[], Activation]) -> list[LaunchHandle]:
+        """Issue the forward and the sampler, returning every handle launched (for capture)."""
+        self._recording = []
+        try:
+            self.sample_greedy(run_forward())
+            return self._recording
+        finally:
+            self._recording = None
+
+    def to_host(self, values: Activation) -> np.ndarray:
+        """Copy activations to the host and synchronize (op-level tests)."""
+        out = np.empty((values.rows, values.width), dtype=np.float32)
+        if values.rows:
+            self.driver.copy_dtoh(
+                out, values.buf, self.stream, src_offset=values.offset, nbytes=out.nbytes
+            )
+        self.stream.synchronize()
+        return out

@@ -1,0 +1,400 @@
+"""The `rocforge` subcommands of the serving half: serve, client, keys, demo.
+
+`add_server_commands(sub)` registers them on the CLI's subparsers. `LocalDaemon`
+runs a daemon in a subprocess on a free loopback port (the demo and
+scripts/bench_ttft.py use it).
+"""
+
+import argparse
+import functools
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rocforge_rt.backends import BACKEND_NAMES
+from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
+from rocforge_rt.profiling.latency import distribution
+from rocforge_rt.server.daemon import DEFAULT_BIND, ServerError
+
+DEFAULT_ADDR = "tcp://127.0.0.1:5555"
+DEMO_PROMPT = "Write one sentence about the sea."
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '123456', '512M', '8GiB', '1.5G' (K, M, G, T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 8GiB, 1048576)")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
+
+
+def _default_model(path: str | None) -> Path:
+    from rocforge_rt.model.default_model import ensure_default_model
+
+    return Path(path) if path else ensure_default_model()
+
+
+# --- serve ------------------------------------------------------------------------------------
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from rocforge_rt.server.daemon import Daemon, DaemonConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="rocforge serve: %(message)s", stream=sys.stderr
+    )
+    config = DaemonConfig(
+        model=_default_model(args.model),
+        backend=args.backend,
+        bind=args.bind,
+        ctx_size=args.ctx_size,
+        max_sessions=args.max_sessions,
+        memory_limit=args.gpu_memory_limit,
+        idle_timeout_s=args.idle_timeout,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        max_request_bytes=args.max_request_bytes,
+        prefill_chunk=args.prefill_chunk,
+        curve_keys=Path(args.curve_keys) if args.curve_keys else None,
+    )
+    Daemon(config).run()
+    return 0
+
+
+# --- client -----------------------------------------------------------------------------------
+def _client(args: argparse.Namespace) -> Any:
+    from clients.rocforge_client import connect
+
+    return connect(args.addr, curve_keys=args.curve_keys, timeout=args.timeout)
+
+
+def _reporting_client_errors(command: Callable[[argparse.Namespace], int]) -> Callable:
+    """A client command that prints the daemon's error (or a timeout) and exits 2."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from clients.rocforge_client import ClientError
+
+        try:
+            return command(args)
+        except ClientError as exc:
+            print(f"rocforge: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+@_reporting_client_errors
+def _cmd_client_generate(args: argparse.Namespace) -> int:
+    turn: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop or None,
+    }
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        turn["messages"] = [*system, {"role": "user", "content": args.prompt}]
+    else:
+        turn["prompt"] = args.prompt
+    with _client(args) as client:
+        result = stream_generation(client, turn, sys.stdout)
+    print(format_generation(result), file=sys.stderr)
+    return 0
+
+
+def stream_generation(client: Any, turn: dict[str, Any], out: Any) -> dict[str, Any]:
+    """Run one streamed generation, writing its text to `out`; client-side timings (ms)."""
+    sent = time.perf_counter()
+    arrivals, last = [], None
+    for reply in client.generate(**turn):
+        arrivals.append(time.perf_counter())
+        out.write(reply.text)
+        out.flush()
+        last = reply
+    out.write("\n")
+    gaps = [(b - a) * 1000.0 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {
+        "finish_reason": last.finish_reason,
+        "usage": last.usage,
+        "server_timings": last.timings,
+        "ttft_ms": (arrivals[0] - sent) * 1000.0,
+        "itl_ms": distribution(gaps),
+        "e2e_ms": (arrivals[-1] - sent) * 1000.0,
+    }
+
+
+def format_generation(result: dict[str, Any]) -> str:
+    usage, itl = result["usage"], result["itl_ms"]
+    server = result["server_timings"]
+    return (
+        f"finish_reason={result['finish_reason']} prompt_tokens={usage.get('prompt_tokens')}"
+        f" completion_tokens={usage.get('completion_tokens')}\n"
+        f"TTFT {result['ttft_ms']:.1f} ms (daemon: {server.get('ttft_ms', 0.0):.1f} ms)"
+        f" | inter-token mean {itl['mean']:.1f} ms, p50 {itl['p50']:.1f}, p99 {itl['p99']:.1f}"
+        f" | end-to-end {result['e2e_ms']:.1f} ms"
+    )
+
+
+@_reporting_client_errors
+def _cmd_client_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.stats(reset=args.reset, records=args.records)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+@_reporting_client_errors
+def _cmd_client_health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        health = client.health()
+    print(json.dumps(health))
+    return 0 if health["ready"] else 1
+
+
+@_reporting_client_errors
+def _cmd_client_trace(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        trace = client.trace(steps=args.steps)
+    Path(args.output).write_text(json.dumps(trace))
+    print(f"wrote {args.output}: open it in https://ui.perfetto.dev", file=sys.stderr)
+    return 0
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """The stats endpoint as a text report: latency, steps, op table, KV use, hints."""
+    lines = [f"{'latency (ms)':<16}{'n':>6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    latency = stats["latency"]
+    for label, key in (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("end-to-end", "e2e_ms")):
+        d = latency[key]
+        lines.append(
+            f"  {label:<14}{d['n']:>6}{d['mean']:>10.2f}{d['p50']:>10.2f}{d['p90']:>10.2f}"
+            f"{d['p99']:>10.2f}"
+        )
+    overhead = stats["overhead"]
+    for kind, s in overhead["steps"].items():
+        lines.append(
+            f"{kind} steps: {s['steps']}, mean {s['mean_ms']:.2f} ms, batch {s['mean_batch']:.2f},"
+            f" {s['ops_per_step']:.0f} ops/step, host outside ops {s['other_host_us_per_step']:.0f}"
+            f" us/step, {s['host_us_per_token']:.0f} us/token"
+        )
+    lines.append(
+        f"{'op (host time)':<24}{'calls':>9}{'mean us':>11}{'max us':>11}"
+        f"{'total ms':>11}{'share':>8}"
+    )
+    for op in overhead["ops"]:
+        lines.append(
+            f"  {op['op']:<22}{op['calls']:>9}{op['mean_us']:>11.1f}{op['max_us']:>11.1f}"
+            f"{op['total_ms']:>11.1f}{op['share']:>8.1%}"
+        )
+    kv, sessions = stats["kv"], stats["sessions"]
+    lines.append(
+        f"sessions: {sessions['open']}/{sessions['max']} open, {sessions['generating']} generating;"
+        f" KV: {kv['tokens_cached']} tokens cached, {kv['bytes_used'] / 2**20:.1f} of"
+        f" {kv['pool_bytes'] / 2**20:.1f} MiB ({kv['use']:.1%})"
+    )
+    if "runtime" in stats:
+        lines.append("runtime: " + ", ".join(f"{k}={v}" for k, v in stats["runtime"].items()))
+    lines.extend(["recommendations:", *(f"  - {hint}" for hint in stats["recommendations"])])
+    return "\n".join(lines)
+
+
+# --- keys -------------------------------------------------------------------------------------
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from rocforge_rt.server.security import generate_keys
+
+    paths = generate_keys(Path(args.dir))
+    print(
+        f"server key pair: {paths.server_secret} (keep it on the daemon's machine)\n"
+        f"client key pair: {paths.client_secret} (give it and {paths.server_public} to a client)\n"
+        f"authorized clients: {paths.authorized_dir}\n"
+        f"serve with: rocforge serve --curve-keys {args.dir} --bind tcp://0.0.0.0:5555\n"
+        f"connect with: rocforge client health --curve-keys {args.dir} --addr tcp://HOST:5555"
+    )
+    return 0
+
+
+# --- demo -------------------------------------------------------------------------------------
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalDaemon:
+    """`rocforge serve` in a subprocess on a free loopback port; stopped with SIGTERM."""
+
+    def __init__(
+        self, model: Path, serve_args: Sequence[str] = (), *, ready_timeout: float = 300.0
+    ):
+        self.addr = f"tcp://127.0.0.1:{free_loopback_port()}"
+        self.command = [
+            sys.executable,
+            "-m",
+            "rocforge_rt.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--bind",
+            self.addr,
+            *serve_args,
+        ]
+        self.ready_timeout = ready_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LocalDaemon":
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.stop()
+
+    def start(self) -> None:
+        from clients.rocforge_client import Timeout, connect
+
+        root = str(Path(__file__).resolve().parents[2])  # so the child imports this checkout
+        path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+        self.process = subprocess.Popen(self.command, env={**os.environ, "PYTHONPATH": path})
+        limit = time.monotonic() + self.ready_timeout
+        with connect(self.addr) as client:
+            while time.monotonic() < limit:
+                if self.process.poll() is not None:
+                    raise ServerError(f"the daemon exited with code {self.process.returncode}")
+                try:
+                    if client.health(timeout=0.5)["ready"]:
+                        return
+                except Timeout:
+                    continue
+                time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"the daemon was not ready within {self.ready_timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, and return the exit code (SIGKILL after `timeout`)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from clients.rocforge_client import connect
+
+    model = _default_model(args.model)
+    serve_args = [
+        "--backend",
+        args.backend,
+        "--ctx-size",
+        "1024",
+        "--max-sessions",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    print(f"starting the daemon on {model.name} ...", file=sys.stderr)
+    with LocalDaemon(model, serve_args) as daemon:
+        with connect(daemon.addr) as client:
+            turn = {
+                "messages": [{"role": "user", "content": args.prompt}],
+                "max_tokens": args.max_tokens,
+            }
+            result = stream_generation(client, turn, sys.stdout)
+            stats = client.stats()
+        code = daemon.stop()
+    print(format_generation(result), file=sys.stderr)
+    print(format_stats(stats), file=sys.stderr)
+    if code != 0:
+        raise ServerError(f"the daemon exited with code {code} after SIGTERM (expected 0)")
+    print("daemon stopped cleanly (SIGTERM, exit code 0)", file=sys.stderr)
+    return 0
+
+
+# --- registration -----------------------------------------------------------------------------
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", default=DEFAULT_ADDR, help=f"daemon address ({DEFAULT_ADDR})")
+    parser.add_argument("--curve-keys", help="folder with client.key_secret and server.key")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per reply")
+
+
+def add_server_commands(sub: Any) -> None:
+    """Register serve, client, keys and demo on the `rocforge` subparsers."""
+    serve = sub.add_parser("serve", help="run the ZeroMQ daemon")
+    serve.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
+    serve.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    serve.add_argument("--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint (loopback default)")
+    serve.add_argument("--ctx-size", type=int, default=2048, help="tokens per session")
+    serve.add_argument("--max-sessions", type=int, default=4, help="sessions (KV slots)")
+    serve.add_argument(
+        "--gpu-memory-limit",
+        type=parse_size,
+        help="budget for weights + KV pool, e.g. 8GiB (CPU default: host RAM)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds before an unused session is closed",
+    )
+    serve.add_argument("--max-prompt-tokens", type=int, help="per turn (default: ctx size - 1)")
+    serve.add_argument("--max-new-tokens", type=int, help="per turn (default: ctx size)")
+    serve.add_argument("--max-request-bytes", type=parse_size, default=1 << 20)
+    serve.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=_cmd_serve)
+
+    client = sub.add_parser("client", help="talk to a running daemon")
+    client_sub = client.add_subparsers(dest="client_command", required=True)
+    gen = client_sub.add_parser("generate", help="stream a generation to stdout")
+    _client_options(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    gen.add_argument("--system", help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.set_defaults(func=_cmd_client_generate)
+    stats = client_sub.add_parser("stats", help="latency, op overhead table, KV use")
+    _client_options(stats)
+    stats.add_argument("--reset", action="store_true", help="clear the records after reading")
+    stats.add_argument("--records", type=int, default=0, help="include the last N requests")
+    stats.add_argument("--json", action="store_true", help="raw JSON instead of a table")
+    stats.set_defaults(func=_cmd_client_stats)
+    health = client_sub.add_parser("health", help="live/ready (exit 0 when ready)")
+    _client_options(health)
+    health.set_defaults(func=_cmd_client_health)
+    trace = client_sub.add_parser("trace", help="write a Chrome/Perfetto trace of recent steps")
+    _client_options(trace)
+    trace.add_argument("--steps", type=int, help="how many recent steps (default: all kept)")
+    trace.add_argument("--output", default="rocforge-trace.json")
+    trace.set_defaults(func=_cmd_client_trace)
+
+    keys = sub.add_parser("keys", help="make CURVE keys for a daemon and a client")
+    keys.add_argument("dir", help="folder to write the keys into")
+    keys.set_defaults(func=_cmd_keys)
+
+    demo = sub.add_parser(
+        "demo", help="start a daemon on the default model, stream a chat reply, print stats"
+    )
+    demo.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    demo.set_defaults(func=_cmd_demo)

@@ -1,0 +1,456 @@
+"""The daemon: one ROUTER socket served by an I/O thread; the engine runs on its own thread.
+
+The I/O thread is the only one that touches the ROUTER socket. It reads each
+request (bounded frames, ZMQ_MAXMSGSIZE, unpacker limits), validates it,
+answers `health`, `info`, `abort`, `stats` and `trace` itself, hands engine
+work to the scheduler (scheduler.py), and forwards the scheduler's replies. It
+never waits on the engine, so it answers during a long prefill.
+
+Start-up: the bind address and memory budget are checked before anything
+binds; the socket then goes live (`health` says live, not ready) while the
+engine thread loads the model and runs a warm-up step; then ready.
+Shutdown (SIGTERM/SIGINT or `stop()`): new work is refused, every request in
+flight is cut and gets its final reply, sockets close, `run` returns.
+"""
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from rocforge_rt.backends import resolve_backend_name
+from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.errors import RocforgeError
+from rocforge_rt.model.gguf_file import load_model_file
+from rocforge_rt.profiling.latency import LatencyRecorder
+from rocforge_rt.profiling.op_timer import recommend
+from rocforge_rt.profiling.trace import chrome_trace
+from rocforge_rt.server import protocol
+from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
+from rocforge_rt.server.scheduler import (
+    END_OF_REPLIES,
+    CancelCause,
+    Job,
+    JobBoard,
+    Limits,
+    Scheduler,
+)
+from rocforge_rt.server.security import check_bind, secure_server
+
+log = logging.getLogger("rocforge.server")
+
+DEFAULT_BIND = "tcp://127.0.0.1:5555"
+POLL_MS = 100  # how often the I/O loop looks at the stop flag when idle
+MAX_READS_PER_POLL = 64  # requests read before replies are forwarded again
+MAX_FRAMES = 3  # identity, optional empty delimiter (REQ clients), payload
+SEND_HWM = 100_000  # replies queued per client before it counts as gone
+LINGER_MS = 1000
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10_000
+
+
+class ServerError(RocforgeError):
+    """The daemon cannot start as configured (memory budget, bind address, engine start-up),
+    or its engine thread failed."""
+
+
+class State(StrEnum):
+    LOADING = "loading"  # live: the socket answers, the engine is loading or warming up
+    READY = "ready"
+    DRAINING = "draining"  # stopping: in-flight requests get their final replies
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    model: Path
+    backend: str = "auto"
+    bind: str = DEFAULT_BIND
+    ctx_size: int = 2048
+    max_sessions: int = 4
+    memory_limit: int | None = None  # bytes for weights + KV pool; None: host RAM on the CPU
+    idle_timeout_s: float = 300.0
+    max_prompt_tokens: int | None = None  # None: the context size - 1
+    max_new_tokens: int | None = None  # None: the context size
+    max_request_bytes: int = 1 << 20
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    curve_keys: Path | None = None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(
+    *, kv_bytes: int, weights_bytes: int, max_sessions: int, n_ctx: int, limit: int
+) -> None:
+    """Fail fast when the weights and the KV pool do not fit the memory limit."""
+    need = kv_bytes + weights_bytes
+    if need > limit:
+        raise ServerError(
+            f"the KV pool for --max-sessions {max_sessions} x --ctx-size {n_ctx} needs"
+            f" {_mib(kv_bytes)} ({kv_bytes} bytes) and the weights {_mib(weights_bytes)}:"
+            f" {_mib(need)} in all, over the memory limit of {_mib(limit)} ({limit} bytes);"
+            " lower --ctx-size or --max-sessions, or raise --gpu-memory-limit"
+        )
+
+
+def plan(
+    config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None
+) -> tuple[Callable[[], Engine], Limits]:
+    """Validate the configuration against the model; return the engine factory and limits."""
+    checks = (
+        (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
+        (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
+        (config.idle_timeout_s > 0, f"--idle-timeout must be > 0, got {config.idle_timeout_s}"),
+        (config.prefill_chunk >= 1, f"prefill chunk must be >= 1, got {config.prefill_chunk}"),
+        (config.max_request_bytes >= 1024, "max request bytes must be >= 1024"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ServerError(message)
+    model = load_model_file(config.model)
+    hp = model.hparams
+    n_ctx = min(config.ctx_size, hp.n_ctx_train)
+    if n_ctx < config.ctx_size:
+        log.warning(
+            "--ctx-size %d lowered to the model's trained context %d", config.ctx_size, n_ctx
+        )
+    kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
+    limit = config.memory_limit
+    if limit is None and resolve_backend_name(config.backend) == "cpu":
+        limit = host_memory_bytes()
+    if limit is not None:
+        weights = sum(t.nbytes for t in model.tensors.values())
+        check_memory(
+            kv_bytes=kv,
+            weights_bytes=weights,
+            max_sessions=config.max_sessions,
+            n_ctx=n_ctx,
+            limit=limit,
+        )
+    log.info(
+        "KV pool: %d sessions x %d tokens x %d bytes = %s",
+        config.max_sessions,
+        n_ctx,
+        kv_bytes_per_token(hp),
+        _mib(kv),
+    )
+    limits = Limits(
+        n_ctx=n_ctx,
+        max_sessions=config.max_sessions,
+        max_prompt_tokens=min(config.max_prompt_tokens or n_ctx - 1, n_ctx - 1),
+        max_new_tokens=min(config.max_new_tokens or n_ctx, n_ctx),
+        idle_timeout_s=config.idle_timeout_s,
+    )
+
+    def build() -> Engine:
+        engine = Engine.load(
+            config.model,
+            backend=config.backend,
+            n_slots=config.max_sessions,
+            n_ctx=n_ctx,
+            prefill_chunk=config.prefill_chunk,
+        )
+        if engine_hook is not None:
+            engine_hook(engine)
+        return engine
+
+    return build, limits
+
+
+class Daemon:
+    """Binds at construction; `run` serves in the calling thread, `start` in a new one."""
+
+    def __init__(
+        self, config: DaemonConfig, *, engine_hook: Callable[[Engine], None] | None = None
+    ) -> None:
+        check_bind(config.bind, config.curve_keys)
+        engine_factory, self.limits = plan(config, engine_hook)
+        self.config = config
+        self.board = JobBoard(self.limits.max_sessions)
+        self.latency = LatencyRecorder()
+        self._draining = False
+        self.error: Exception | None = None
+        self._stop_requested = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
+        self._context = zmq.Context()
+        self._auth = None
+        self._router = self._context.socket(zmq.ROUTER)
+        self._replies = self._context.socket(zmq.PULL)
+        try:
+            self._configure_router()
+            self._router.bind(config.bind)
+        except (zmq.ZMQError, RocforgeError) as exc:
+            self._close_sockets()
+            if isinstance(exc, RocforgeError):
+                raise
+            raise ServerError(f"cannot bind {config.bind}: {exc}") from None
+        self.endpoint: str = self._router.last_endpoint.decode()
+        reply_endpoint = f"inproc://rocforge-replies-{id(self)}"
+        self._replies.rcvhwm = 0
+        self._replies.bind(reply_endpoint)
+        self.scheduler = Scheduler(
+            engine_factory, self.limits, self.board, self.latency, self._context, reply_endpoint
+        )
+        log.info("listening on %s", self.endpoint)
+
+    def _configure_router(self) -> None:
+        router = self._router
+        router.router_mandatory = 1  # a reply to a vanished client raises, so its work stops
+        router.maxmsgsize = 2 * self.config.max_request_bytes  # larger: the peer is dropped
+        router.sndhwm = SEND_HWM
+        router.linger = LINGER_MS
+        router.heartbeat_ivl = HEARTBEAT_IVL_MS
+        router.heartbeat_timeout = HEARTBEAT_TIMEOUT_MS
+        if self.config.curve_keys is not None:
+            self._auth = secure_server(self._context, router, self.config.curve_keys)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> "Daemon":
+        """Serve in a background thread until the block ends; ServerError if not ready."""
+        self.start()
+        while not self.wait_ready(0.05):
+            if not self._thread.is_alive():
+                self.join()
+                raise self.error or ServerError("the daemon stopped before it was ready")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+        self.join()
+
+    def start(self) -> None:
+        """Serve in a background thread (tests, embedding); `stop` and `join` end it."""
+        self._thread = threading.Thread(target=self._run_captured, name="rocforge-io", daemon=True)
+        self._thread.start()
+
+    def _run_captured(self) -> None:
+        try:
+            self.run()
+        except Exception as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        """Ask the daemon to shut down (safe from any thread and from signal handlers)."""
+        self._stop_requested.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def state(self) -> State:
+        if self._draining:
+            return State.DRAINING
+        return State.READY if self.scheduler.ready.is_set() else State.LOADING
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.scheduler.ready.wait(timeout)
+
+    def run(self) -> None:
+        """Serve until stopped; ServerError if the engine could not start or failed."""
+        engine_thread = threading.Thread(target=self.scheduler.run, name="rocforge-engine")
+        engine_thread.start()
+        restore = self._install_signal_handlers()
+        try:
+            self._serve()
+        finally:
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
+            engine_thread.join()
+            self._close_sockets()
+        if self.scheduler.failure is not None:
+            raise ServerError(self.scheduler.failure)
+        log.info("stopped")
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handle(signum: int, _frame: Any) -> None:
+            log.info("%s received: shutting down", signal.Signals(signum).name)
+            self.stop()
+
+        return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _close_sockets(self) -> None:
+        self._router.close(linger=LINGER_MS)
+        self._replies.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
+
+    # --- the I/O loop ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(POLL_MS))
+            if self._replies in events and self._forward_replies():
+                return  # the engine thread has stopped and every reply is out
+            if self._router in events:
+                self._read_requests()
+            if not self._draining and (
+                self._stop_requested.is_set() or self.scheduler.failure is not None
+            ):
+                self._draining = True
+                self.board.cancel_all(CancelCause.SHUTDOWN)
+                self.scheduler.stop()
+
+    def _forward_replies(self) -> bool:
+        """Send the engine thread's replies; True once it has sent its last."""
+        while True:
+            try:
+                frames = self._replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if frames == [END_OF_REPLIES]:
+                return True
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: gone; EAGAIN: not reading its replies
+            log.debug("dropping a reply to a gone client: %s", exc)
+            self.board.cancel_peer(frames[0], CancelCause.DISCONNECT)
+
+    def _reply(self, envelope: tuple[bytes, ...], reply: dict[str, Any]) -> None:
+        self._send([*envelope, protocol.pack(reply)])
+
+    def _read_requests(self) -> None:
+        for _ in range(MAX_READS_PER_POLL):
+            try:
+                frames = [self._router.recv(zmq.NOBLOCK)]
+            except zmq.Again:
+                return
+            extra = 0
+            while self._router.rcvmore:
+                part = self._router.recv()
+                if len(frames) < MAX_FRAMES:
+                    frames.append(part)
+                else:
+                    extra += 1
+            self._on_message(frames, extra, time.perf_counter())
+
+    def _on_message(self, frames: list[bytes], extra: int, received: float) -> None:
+        if len(frames) == 2:
+            envelope = (frames[0],)
+        elif len(frames) == 3 and not extra and frames[1] == b"":
+            envelope = (frames[0], b"")
+        else:
+            self._reply(
+                (frames[0],),
+                error_reply(
+                    None,
+                    ErrorCode.BAD_REQUEST,
+                    "a request is one msgpack frame (DEALER) or an empty frame and one msgpack"
+                    f" frame (REQ); got {len(frames) - 1 + extra} frames",
+                ),
+            )
+            return
+        rid = None
+        try:
+            obj = protocol.unpack(frames[-1], self.config.max_request_bytes)
+            rid = protocol.request_id(obj)
+            request = protocol.parse_request(obj)
+            self._dispatch(Job(request, envelope, received))
+        except ProtocolError as exc:
+            self._reply(envelope, error_reply(rid, exc.code, exc.message))
+
+    def _dispatch(self, job: Job) -> None:
+        request = job.request
+        state = self.state
+        if request.op == "health":
+            self._reply(job.envelope, ok_reply(request.id, **self._health(state)))
+            return
+        if state is State.LOADING:
+            raise ProtocolError(ErrorCode.NOT_READY, "the model is loading; ask `health`")
+        if state is State.DRAINING:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        handler = {
+            "info": self._info,
+            "stats": self._stats,
+            "trace": self._trace,
+            "abort": lambda r: self._abort(job.peer, r),
+        }.get(request.op)
+        if handler is not None:
+            self._reply(job.envelope, ok_reply(request.id, **handler(request)))
+            return
+        job.reserves_slot = request.turn is not None and request.op != "append"
+        self.board.admit(job)
+        self.scheduler.submit(job)
+
+    def _health(self, state: State) -> dict[str, Any]:
+        return {
+            "live": True,
+            "ready": state is State.READY,
+            "state": str(state),
+            "uptime_s": time.monotonic() - self._started,
+            **self.board.counts(),
+        }
+
+    def _info(self, _request: Request) -> dict[str, Any]:
+        limits = self.limits
+        return {
+            "protocol_version": protocol.PROTOCOL_VERSION,
+            **self.scheduler.info,
+            "limits": {
+                "ctx_size": limits.n_ctx,
+                "max_sessions": limits.max_sessions,
+                "max_prompt_tokens": limits.max_prompt_tokens,
+                "max_new_tokens": limits.max_new_tokens,
+                "idle_timeout_s": limits.idle_timeout_s,
+                "max_request_bytes": self.config.max_request_bytes,
+                "prefill_chunk": self.config.prefill_chunk,
+            },
+        }
+
+    def _abort(self, peer: bytes, request: Request) -> dict[str, Any]:
+        if request.session is not None and not self.board.owns(peer, request.session):
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION, f"session {request.session} is not open for this client"
+            )
+        aborted = self.board.cancel(
+            peer, CancelCause.CLIENT, request=request.request, session=request.session
+        )
+        return {"aborted": aborted}
+
+    def _stats(self, request: Request) -> dict[str, Any]:
+        timer = self.scheduler.op_timer
+        overhead = timer.snapshot()
+        runtime = self.scheduler.runtime_stats
+        stats: dict[str, Any] = {
+            "latency": self.latency.summary(),
+            "overhead": overhead,
+            "recommendations": recommend(overhead, runtime),
+            **self.scheduler.usage,
+            "uptime_s": time.monotonic() - self._started,
+        }
+        if runtime is not None:
+            stats["runtime"] = runtime
+        if request.records:
+            stats["records"] = self.latency.recent(request.records)
+        if request.reset:
+            self.latency.reset()
+            timer.reset()
+        return stats
+
+    def _trace(self, request: Request) -> dict[str, Any]:
+        steps = self.scheduler.op_timer.recent_steps(request.steps)
+        return {"trace": chrome_trace(steps), "steps": len(steps)}

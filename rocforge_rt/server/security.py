@@ -1,0 +1,128 @@
+"""CURVE keys for the daemon, and the rule that only loopback binds may go without them.
+
+`rocforge keys DIR` writes, with pyzmq's zmq.auth:
+  DIR/server.key, DIR/server.key_secret     the daemon's key pair (the secret stays there)
+  DIR/client.key, DIR/client.key_secret     a client's key pair (give it to the client)
+  DIR/authorized_clients/client.key         public keys of clients the daemon accepts
+A daemon started with `--curve-keys DIR` encrypts every connection and accepts
+only the clients in DIR/authorized_clients; a client needs its key pair and
+server.key (its `curve_keys` folder holds client.key_secret and server.key).
+"""
+
+import ipaddress
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from rocforge_rt.errors import RocforgeError
+
+AUTHORIZED_DIR = "authorized_clients"
+LOCAL_TRANSPORTS = ("ipc", "inproc")
+
+
+class SecurityError(RocforgeError):
+    """The daemon would be reachable by others without CURVE, or its keys are unusable."""
+
+
+@dataclass(frozen=True)
+class KeyPaths:
+    server_public: Path
+    server_secret: Path
+    client_public: Path
+    client_secret: Path
+    authorized_dir: Path
+
+
+def key_paths(keys_dir: Path) -> KeyPaths:
+    return KeyPaths(
+        server_public=keys_dir / "server.key",
+        server_secret=keys_dir / "server.key_secret",
+        client_public=keys_dir / "client.key",
+        client_secret=keys_dir / "client.key_secret",
+        authorized_dir=keys_dir / AUTHORIZED_DIR,
+    )
+
+
+def generate_keys(keys_dir: Path) -> KeyPaths:
+    """Write a server and a client key pair and authorize the client (refuses to overwrite)."""
+    paths = key_paths(keys_dir)
+    existing = [p for p in (paths.server_secret, paths.client_secret) if p.exists()]
+    if existing:
+        raise SecurityError(f"{existing[0]} exists; remove it or choose another folder")
+    keys_dir.mkdir(parents=True, exist_ok=True)
+    paths.authorized_dir.mkdir(exist_ok=True)
+    zmq.auth.create_certificates(keys_dir, "server")
+    zmq.auth.create_certificates(keys_dir, "client")
+    shutil.copy(paths.client_public, paths.authorized_dir / paths.client_public.name)
+    for secret in (paths.server_secret, paths.client_secret):
+        os.chmod(secret, 0o600)
+    return paths
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc/inproc and for tcp on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in LOCAL_TRANSPORTS:
+        return True
+    if transport != "tcp" or not rest:
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # '*', an interface name, or a host name
+        return False
+
+
+def check_bind(endpoint: str, keys_dir: Path | None) -> None:
+    """Refuse a non-loopback bind without CURVE keys."""
+    if keys_dir is None and not is_loopback_endpoint(endpoint):
+        raise SecurityError(
+            f"refusing to bind {endpoint} without encryption: only loopback addresses "
+            "(tcp://127.0.0.1:PORT, ipc://...) may be bound without CURVE keys; make keys with "
+            "`rocforge keys DIR` and pass --curve-keys DIR"
+        )
+
+
+def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise SecurityError(f"CURVE key file {path} is missing; make keys with `rocforge keys DIR`")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise SecurityError(f"CURVE key file {path} is unreadable: {exc}") from None
+    if secret and secret_key is None:
+        raise SecurityError(f"CURVE key file {path} holds no secret key")
+    return public, secret_key
+
+
+def secure_server(context: zmq.Context, socket: zmq.Socket, keys_dir: Path) -> ThreadAuthenticator:
+    """Make `socket` a CURVE server that accepts the authorized clients; returns the
+    authenticator, which the caller stops when it closes the socket."""
+    paths = key_paths(keys_dir)
+    public, secret = _load(paths.server_secret, secret=True)
+    if not paths.authorized_dir.is_dir():
+        raise SecurityError(f"{paths.authorized_dir} is missing: no client could connect")
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(paths.authorized_dir))
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_server = True
+    return auth
+
+
+def secure_client(socket: zmq.Socket, keys_dir: Path) -> None:
+    """Make `socket` a CURVE client with the key pair and server key found in `keys_dir`."""
+    paths = key_paths(keys_dir)
+    public, secret = _load(paths.client_secret, secret=True)
+    server_public, _ = _load(paths.server_public, secret=False)
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_serverkey = server_public

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Decode and prompt throughput of one model, per step mode, optionally beside llama.cpp.
+
+Decode tokens/s: greedy batch-1 generation of --n-decode tokens after a 1-token
+prompt (llama-bench's tg128). Prompt tokens/s: prefill of --n-prompt tokens
+(llama-bench's pp512). Each figure is the median of --repeats runs after a
+warm-up. With --llamacpp PATH-TO-llama-bench, llama-bench runs on the same
+file in the same run and the ratios are printed. Results go to --out as JSON.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.sampling import SamplingParams
+
+MODES = ("per-kernel-sync", "deferred", "graph")
+
+
+def decode_tokens_per_s(engine: Engine, n_decode: int, rng: np.random.Generator) -> float:
+    prompt = [int(rng.integers(0, engine.hparams.n_vocab))]
+    session = engine.open_session(prompt, sampling=SamplingParams(), max_tokens=n_decode + 1)
+    engine.prefill(session)
+    session.eog_ids = frozenset()  # random-weight models may sample EOS: keep going
+    start = time.perf_counter()
+    for _ in range(n_decode):
+        engine.decode([session])
+    elapsed = time.perf_counter() - start
+    engine.close_session(session)
+    return n_decode / elapsed
+
+
+def prompt_tokens_per_s(engine: Engine, n_prompt: int, rng: np.random.Generator) -> float:
+    prompt = rng.integers(0, engine.hparams.n_vocab, n_prompt).tolist()
+    session = engine.open_session(prompt, max_tokens=1)
+    start = time.perf_counter()
+    engine.prefill(session)
+    elapsed = time.perf_counter() - start
+    engine.close_session(session)
+    return n_prompt / elapsed
+
+
+def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:
+    """Launches and syncs per decode step from the backend's counters (GPU backends)."""
+    backend = engine.backend
+    if not hasattr(backend, "runtime_stats"):
+        return {}
+    backend.reset_runtime_stats()
+    decode_tokens_per_s(engine, n_decode, rng)
+    stats = backend.runtime_stats()
+    stats["launches_per_layer"] = stats["launches_per_step"] / engine.hparams.n_layer
+    return stats
+
+
+def arg_cache_off_tokens_per_s(engine: Engine, n_decode: int, rng: np.random.Generator) -> float:
+    """Decode tokens/s with every launch repacking its arguments (the cache's A/B)."""
+    from rocforge_rt.runtime.launch import set_arg_cache_enabled
+
+    set_arg_cache_enabled(False)
+    try:
+        return decode_tokens_per_s(engine, n_decode, rng)
+    finally:
+        set_arg_cache_enabled(True)
+
+
+def bench_mode(args: argparse.Namespace, mode: str | None) -> dict[str, object]:
+    options = {"mode": mode} if mode else {}
+    n_ctx = args.n_prompt + args.n_decode + 8
+    engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
+    rng = np.random.default_rng(0)
+    decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
+    prompt_tokens_per_s(engine, min(args.n_prompt, 64), rng)
+    decode = [decode_tokens_per_s(engine, args.n_decode, rng) for _ in range(args.repeats)]
+    prompt = [prompt_tokens_per_s(engine, args.n_prompt, rng) for _ in range(args.repeats)]
+    result: dict[str, object] = {
+        "decode_tokens_per_s": statistics.median(decode),
+        "prompt_tokens_per_s": statistics.median(prompt),
+        "decode_runs": decode,
+        "prompt_runs": prompt,
+        "device": engine.backend.device_info(),
+        "decode_step": decode_step_stats(engine, args.n_decode, rng),
+    }
+    if mode == "deferred":
+        off = arg_cache_off_tokens_per_s(engine, args.n_decode, rng)
+        result["step_us_arg_cache_on"] = 1e6 / statistics.median(decode)
+        result["step_us_arg_cache_off"] = 1e6 / off
+    print(
+        f"{mode or engine.backend.name:>16}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
+        f" | prompt {result['prompt_tokens_per_s']:10.1f} tok/s",
+        file=sys.stderr,
+    )
+    return result
+
+
+def llama_bench(binary: str, model: str, n_prompt: int, n_decode: int) -> dict[str, float]:
+    """tg and pp tokens/s from llama-bench on the same file (all layers on the GPU)."""
+    command = [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_decode), "-ngl", "99",
+               "-fa", "1", "-r", "3", "-o", "json"]  # fmt: skip
+    rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    out = {}
+    for row in rows:
+        key = "decode_tokens_per_s" if row["n_gen"] else "prompt_tokens_per_s"
+        out[key] = float(row["avg_ts"])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--mode", action="append", choices=MODES, help="GPU step mode(s)")
+    parser.add_argument("--n-decode", type=int, default=128)
+    parser.add_argument("--n-prompt", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
+    parser.add_argument("--out", default="bench-results/decode.json")
+    args = parser.parse_args()
+
+    probe = Engine.load(args.model, backend=args.backend, n_ctx=64)
+    on_gpu = probe.backend.name != "cpu"
+    del probe
+    modes = (args.mode or list(MODES)) if on_gpu else [None]
+    report: dict[str, object] = {"model": args.model, "backend": args.backend, "modes": {}}
+    for mode in modes:
+        report["modes"][mode or "cpu"] = bench_mode(args, mode)
+    if args.llamacpp:
+        peer = llama_bench(args.llamacpp, args.model, args.n_prompt, args.n_decode)
+        report["llamacpp"] = peer
+        report["ratios"] = {
+            name: {k: figures[k] / peer[k] for k in peer}
+            for name, figures in report["modes"].items()
+        }
+        for name, ratio in report["ratios"].items():
+            decode, prompt = ratio["decode_tokens_per_s"], ratio["prompt_tokens_per_s"]
+            print(f"{name:>16}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
+                  file=sys.stderr)  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

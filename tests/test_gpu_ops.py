@@ -1,0 +1,189 @@
+"""GPU kernels against the CPU reference, op by op and end to end (run on a GPU machine).
+
+Every op is compared with the CPU backend in q8-activation mode (the same
+arithmetic: max relative error 1e-3) and with float32 activations (2e-2).
+Relative error here is max |gpu - ref| / max |ref|.
+"""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from rocforge_rt.backends import create_backend, cuda
+from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
+from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.hparams import HParams
+from rocforge_rt.model.synthetic import random_blocks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(cuda.device_count() == 0, reason="no CUDA device"),
+]
+
+
+def hparams(n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, head_dim=64, n_vocab=1024) -> HParams:
+    return HParams(
+        arch="llama", n_layer=1, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim_k=head_dim, head_dim_v=head_dim, n_vocab=n_vocab, n_ctx_train=8192,
+        rope_base=10000.0, rope_dims=head_dim, rms_eps=1e-5, tied_embeddings=False,
+    )  # fmt: skip
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def weight(rng, n, k, qtype=Q.Q4_0, name="w") -> WeightTensor:
+    return WeightTensor(name, qtype, (n, k), random_blocks(rng, n, k, qtype, 1 / np.sqrt(k)))
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    # Buffers sized for the largest shapes below: K up to 14336, N up to 3 * 3072.
+    shapes = hparams(n_embd=14336, n_ff=14336, n_head=48, n_head_kv=48)
+    return create_backend("cuda", shapes, n_slots=1, n_ctx=64, max_tokens=8)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 2048, 4096, 14336])
+@pytest.mark.parametrize("n", [192, 576, 960, 3072])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_q4_0_gemv_with_fused_rmsnorm_matches_the_cpu(gpu, k, n, rows):
+    rng = np.random.default_rng(k * 7 + n * 3 + rows)
+    w = weight(rng, n, k)
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    matrix, gain = gpu.linear(w), gpu.vector(gain_tensor)
+    got = gpu.to_host(gpu.norm_matmul(gpu.load_activation(x), gain, matrix))
+    dense = CpuBackend(hparams(), 1, 1).linear(w)
+    normed = rms_normalize(x, gain_tensor.data, 1e-5)
+    assert rel_error(got, quantize_q8(normed) @ dense.T) <= 1e-3
+    assert rel_error(got, normed @ dense.T) <= 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_gemv_residual_and_swiglu_epilogues_match_the_cpu(gpu, rows):
+    rng = np.random.default_rng(rows)
+    k, n_ff = 576, 1536
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    cpu = CpuBackend(hparams(), 1, 1)
+    w_o = weight(rng, k, k)
+    residual = rng.standard_normal((rows, k)).astype(np.float32)
+    act = gpu.load_activation(np.concatenate([x, residual]))
+    x_act = type(act)(act.buf, rows, k)
+    res_act = type(act)(act.buf, rows, k, rows * k * 4)
+    got = gpu.to_host(gpu.matmul_add(x_act, gpu.linear(w_o), res_act))
+    assert rel_error(got, cpu.matmul_add(x, cpu.linear(w_o), residual)) <= 1e-3
+    gate, up = weight(rng, n_ff, k, name="gate"), weight(rng, n_ff, k, name="up")
+    gain = WeightTensor("g", Q.F32, (k,), np.ones(k, dtype=np.float32))
+    h = gpu.to_host(
+        gpu.norm_gate_up_swiglu(gpu.load_activation(x), gpu.vector(gain), gpu.linear(gate, up))
+    )
+    expected = cpu.norm_gate_up_swiglu(x, gain.data, cpu.linear(gate, up))
+    assert rel_error(h, expected) <= 1e-3
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "n_head", "n_kv", "context"),
+    [(64, 9, 3, 1), (64, 9, 3, 255), (128, 32, 8, 4096), (128, 16, 4, 255), (64, 12, 4, 4096)],
+)
+def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, context):
+    hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
+    n_ctx = 4096
+    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=4)
+    cpu = CpuBackend(hp, 2, n_ctx)
+    rng = np.random.default_rng(context + head_dim)
+    keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
+    values = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
+    cpu.k_cache[0][:], cpu.v_cache[0][:] = keys, values
+    gpu.driver.copy_htod(gpu.k_cache[0], keys)
+    gpu.driver.copy_htod(gpu.v_cache[0], values)
+    positions = [context - 1, max(0, context // 2 - 1), 0]
+    batch = StepBatch.decode([1, 2, 3], positions, [1, 0, 1])
+    q = rng.standard_normal((3, n_head * head_dim)).astype(np.float32)
+    gpu.embed(gpu.embedding(weight(rng, 16, hp.n_embd, Q.Q8_0)), batch)  # writes the step state
+    got = gpu.to_host(gpu.attention(gpu.load_activation(q), 0, batch))
+    expected = cpu.attention(q.reshape(3, n_head, head_dim), 0, batch)
+    assert rel_error(got, expected) <= 1e-3
+    assert gpu.attn_splits > 1
+
+
+@pytest.fixture(scope="module")
+def engines(default_model):
+    return (
+        Engine.load(default_model, backend="cpu", n_ctx=512),
+        Engine.load(default_model, backend="cuda", n_ctx=512),
+    )
+
+
+def test_smollm2_on_the_gpu_agrees_with_llamacpp(engines, reference):
+    _, gpu = engines
+    hits = total = 0
+    for case in reference["cases"]:
+        logits = gpu.logits(case["ids"])[-1]
+        worst = max(abs(float(logits[t]) - v) for t, v in case["top20"])
+        assert worst <= 1.0, (case["prompt"], worst)
+        ours = set(np.argsort(-logits)[:10].tolist())
+        assert len(ours & {t for t, _ in case["top20"][:10]}) >= 8
+        (top1, l1), (_, l2) = case["top20"][0], case["top20"][1]
+        if l1 - l2 >= 0.5:
+            assert int(np.argmax(logits)) == top1
+        sequence = case["ids"] + case["greedy"][:-1]
+        predicted = np.argmax(gpu.logits(sequence), axis=-1)[len(case["ids"]) - 1 :]
+        hits += int(np.sum(predicted == np.array(case["greedy"])))
+        total += len(case["greedy"])
+    assert hits / total >= 0.9
+
+
+def test_gpu_follows_the_cpu_q8_mode_teacher_forced_over_128_positions(engines, reference):
+    cpu, gpu = engines
+    sequence = reference["cases"][0]["ids"] + list(range(1000, 1124))
+    ref = cpu.logits(sequence)
+    got = gpu.logits(sequence)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    confident = (top2[:, 1] - top2[:, 0]) >= 0.5
+    assert np.array_equal(np.argmax(got, -1)[confident], np.argmax(ref, -1)[confident])
+    assert np.max(np.abs(got - ref)) < 1.0
+
+
+def test_gpu_greedy_decode_equals_its_own_teacher_forced_logits(engines, reference):
+    _, gpu = engines
+    session = gpu.open_session(reference["cases"][2]["ids"], max_tokens=12)
+    tokens = [gpu.prefill(session).token]
+    while not session.finished:
+        tokens.append(gpu.decode([session])[0].token)
+    gpu.close_session(session)
+    full = gpu.logits(reference["cases"][2]["ids"] + tokens[:-1], slot=0)
+    assert np.argmax(full[len(reference["cases"][2]["ids"]) - 1 :], -1).tolist() == tokens
+
+
+def test_the_three_step_modes_give_bit_identical_results(default_model, reference):
+    from rocforge_rt.engine.sampling import SamplingParams
+
+    prompt = reference["cases"][1]["ids"]
+    runs = {}
+    for mode in ("per-kernel-sync", "deferred", "graph"):
+        engine = Engine.load(default_model, backend="cuda", n_ctx=256, mode=mode)
+        session = engine.open_session(prompt, sampling=SamplingParams(logprobs=5), max_tokens=8)
+        events = [engine.prefill(session)]
+        while not session.finished:
+            events.extend(engine.decode([session]))
+        runs[mode] = [(e.token, e.logprob, e.top_logprobs) for e in events]
+    assert runs["per-kernel-sync"] == runs["deferred"] == runs["graph"]
+
+
+def test_steady_greedy_decode_copies_nothing_to_the_device(engines, reference, monkeypatch):
+    _, gpu = engines
+    session = gpu.open_session(reference["cases"][0]["ids"], max_tokens=10)
+    gpu.prefill(session)
+    gpu.decode([session])  # the first decode step writes the step state once
+    copies = []
+    real_copy = gpu.backend.driver.copy_htod
+    monkeypatch.setattr(
+        gpu.backend.driver, "copy_htod", lambda *a, **k: copies.append(a) or real_copy(*a, **k)
+    )
+    for _ in range(5):
+        gpu.decode([session])
+    gpu.close_session(session)
+    assert copies == []

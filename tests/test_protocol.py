@@ -1,0 +1,196 @@
+"""The wire protocol: request schemas, limits and error codes, without sockets."""
+
+import msgpack
+import pytest
+
+from rocforge_rt.server.protocol import (
+    OPS,
+    ErrorCode,
+    Prompt,
+    ProtocolError,
+    Sampling,
+    error_reply,
+    ok_reply,
+    pack,
+    parse_request,
+    request_id,
+    unpack,
+)
+
+
+def rejected(obj: object) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        parse_request(obj)
+    return info.value
+
+
+def test_error_codes_are_the_documented_strings() -> None:
+    assert {c.value for c in ErrorCode} == {
+        "bad_request", "unknown_op", "unknown_session", "session_busy", "turn_finished", "busy",
+        "context_full", "too_large", "limit_exceeded", "aborted", "deadline_exceeded",
+        "not_ready", "shutting_down", "internal",
+    }  # fmt: skip
+
+
+def test_every_op_of_the_design_is_known() -> None:
+    assert set(OPS) == {
+        "info", "open", "step", "generate", "append", "abort", "close", "stats", "trace", "health",
+    }  # fmt: skip
+
+
+def test_open_with_text_sampling_and_stop_strings() -> None:
+    request = parse_request(
+        {
+            "op": "open",
+            "id": "r-1",
+            "prompt": "Hello",
+            "temperature": 0.7,
+            "top_k": 40,
+            "top_p": 0.9,
+            "seed": 3,
+            "logprobs": 2,
+            "stop": ["\n\n", "User:"],
+            "max_tokens": 16,
+            "deadline_ms": 500,
+        }
+    )
+    assert request.op == "open" and request.id == "r-1" and request.deadline_ms == 500.0
+    assert request.turn.prompt == Prompt(text="Hello")
+    assert request.turn.sampling == Sampling(0.7, 40, 0.9, 3, 2)
+    assert request.turn.stop == ("\n\n", "User:")
+    assert request.turn.max_tokens == 16
+
+
+def test_defaults_are_greedy_without_limits_of_their_own() -> None:
+    turn = parse_request({"op": "open", "tokens": [1, 2, 3]}).turn
+    assert turn.prompt.tokens == (1, 2, 3)
+    assert turn.sampling == Sampling() and turn.stop == () and turn.max_tokens is None
+
+
+def test_chat_messages_and_a_single_stop_string() -> None:
+    turn = parse_request(
+        {"op": "generate", "messages": [{"role": "user", "content": "Hi"}], "stop": "END"}
+    ).turn
+    assert turn.prompt.messages == (("user", "Hi"),)
+    assert turn.stop == ("END",)
+
+
+def test_generate_on_an_open_session_takes_no_turn_fields() -> None:
+    assert parse_request({"op": "generate", "session": 4}).session == 4
+    assert rejected({"op": "generate", "session": 4, "max_tokens": 3}).code == "bad_request"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"prompt": "a", "tokens": [1]},
+        {"prompt": "a", "messages": [{"role": "u", "content": ""}]},
+    ],
+)
+def test_a_turn_needs_exactly_one_prompt_form(fields: dict) -> None:
+    error = rejected({"op": "open", **fields})
+    assert error.code == ErrorCode.BAD_REQUEST and "exactly one of" in error.message
+
+
+def test_append_takes_text_or_tokens_but_not_messages() -> None:
+    assert parse_request({"op": "append", "session": 1, "prompt": " more"}).turn.prompt.text
+    error = rejected({"op": "append", "session": 1, "messages": [{"role": "u", "content": "x"}]})
+    assert "'prompt', 'tokens'" in error.message
+
+
+@pytest.mark.parametrize(
+    ("request_map", "field"),
+    [
+        ({"op": "step", "session": "1"}, "session"),
+        ({"op": "step", "session": True}, "session"),  # bools are not integers here
+        ({"op": "step", "session": 0}, "session"),
+        ({"op": "step", "session": 1, "n": 0}, "n"),
+        ({"op": "step", "session": 1, "n": 1.0}, "n"),
+        ({"op": "open", "tokens": [1, -2]}, "tokens[1]"),
+        ({"op": "open", "tokens": []}, "tokens"),
+        ({"op": "open", "tokens": "123"}, "tokens"),
+        ({"op": "open", "prompt": 5}, "prompt"),
+        ({"op": "open", "prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"op": "open", "prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"op": "open", "prompt": "x", "top_p": 0.0}, "top_p"),
+        ({"op": "open", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"op": "open", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"op": "open", "prompt": "x", "stop": ["a"] * 17}, "stop"),
+        ({"op": "open", "prompt": "x", "stop": [3]}, "stop[0]"),
+        ({"op": "open", "prompt": "x", "deadline_ms": 0}, "deadline_ms"),
+        ({"op": "open", "messages": [{"role": "user"}]}, "messages[0]"),
+        ({"op": "open", "messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
+        ({"op": "stats", "reset": 1}, "reset"),
+        ({"op": "health", "id": [1]}, "id"),
+        ({"op": 7}, "op"),
+    ],
+)
+def test_wrong_types_and_ranges_name_the_field(request_map: dict, field: str) -> None:
+    error = rejected(request_map)
+    assert error.code == ErrorCode.BAD_REQUEST
+    assert error.message.startswith(f"field {field!r}:")
+
+
+@pytest.mark.parametrize(
+    "request_map", [{"op": "step"}, {"op": "close"}, {"op": "append", "prompt": "x"}]
+)
+def test_ops_on_a_session_need_its_id(request_map: dict) -> None:
+    assert "needs the field 'session'" in rejected(request_map).message
+
+
+def test_unknown_fields_are_refused_by_name() -> None:
+    error = rejected({"op": "open", "prompt": "x", "max_token": 5})
+    assert error.code == ErrorCode.BAD_REQUEST and "'max_token'" in error.message
+
+
+def test_unknown_op() -> None:
+    error = rejected({"op": "launch_missiles"})
+    assert error.code == ErrorCode.UNKNOWN_OP and "ops are:" in error.message
+
+
+def test_non_map_requests() -> None:
+    for obj in ([1, 2], "health", 3, None):
+        assert rejected(obj).code == ErrorCode.BAD_REQUEST
+
+
+def test_abort_names_exactly_one_target() -> None:
+    assert parse_request({"op": "abort", "request": "g-1"}).request == "g-1"
+    assert parse_request({"op": "abort", "session": 2}).session == 2
+    assert rejected({"op": "abort"}).code == ErrorCode.BAD_REQUEST
+    assert rejected({"op": "abort", "request": 1, "session": 2}).code == ErrorCode.BAD_REQUEST
+
+
+def test_request_id_is_echoed_only_when_valid() -> None:
+    assert request_id({"id": 7}) == 7
+    assert request_id({"id": "abc"}) == "abc"
+    assert request_id({"id": True}) is None
+    assert request_id({"id": "x" * 1000}) is None
+    assert request_id([1]) is None
+
+
+def test_unpack_limits() -> None:
+    assert unpack(msgpack.packb({"op": "health"}), 1024) == {"op": "health"}
+    with pytest.raises(ProtocolError) as big:
+        unpack(b"\x00" * 2000, 1024)
+    assert big.value.code == ErrorCode.TOO_LARGE
+    for garbage in (b"\xc1", b"\x92\x01", msgpack.packb(1) + b"\x01", b"\xdd\xff\xff\xff\xff"):
+        with pytest.raises(ProtocolError) as bad:
+            unpack(garbage, 1024)
+        assert bad.value.code == ErrorCode.BAD_REQUEST and "malformed msgpack" in bad.value.message
+
+
+def test_unpack_refuses_deep_nesting_and_huge_maps() -> None:
+    deep = b"\x91" * 100_000 + b"\x01"
+    with pytest.raises(ProtocolError):
+        unpack(deep, 1 << 20)
+    wide = msgpack.packb({f"k{i}": i for i in range(100)})
+    with pytest.raises(ProtocolError):
+        unpack(wide, 1 << 20)
+
+
+def test_replies_round_trip() -> None:
+    ok = msgpack.unpackb(pack(ok_reply(3, session=1)))
+    assert ok == {"id": 3, "ok": True, "session": 1}
+    error = msgpack.unpackb(pack(error_reply("x", ErrorCode.BUSY, "full")))
+    assert error == {"id": "x", "ok": False, "error": {"code": "busy", "message": "full"}}
