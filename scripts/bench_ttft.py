@@ -114,6 +114,8 @@ def run_config(
             "itl_ms": server["latency"]["itl_ms"],
             "decode_mean_batch": decode.get("mean_batch"),
             "decode_step_ms": decode.get("mean_ms"),
+            "steps": server["overhead"]["steps"],
+            "runtime": server.get("runtime"),
         },
     }
 

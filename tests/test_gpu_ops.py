@@ -102,7 +102,7 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
     positions = [context - 1, max(0, context // 2 - 1), 0]
     batch = StepBatch.decode([1, 2, 3], positions, [1, 0, 1])
     q = rng.standard_normal((3, n_head * head_dim)).astype(np.float32)
-    gpu.embed(gpu.embedding(weight(rng, 16, hp.n_embd, Q.Q8_0)), batch)  # writes the step state
+    gpu.write_step_state(batch)
     got = gpu.to_host(gpu.attention(gpu.load_activation(q), 0, batch))
     expected = cpu.attention(q.reshape(3, n_head, head_dim), 0, batch)
     assert rel_error(got, expected) <= 1e-3
@@ -144,7 +144,7 @@ def test_gpu_follows_the_cpu_q8_mode_teacher_forced_over_128_positions(engines, 
     top2 = np.sort(ref, axis=-1)[:, -2:]
     confident = (top2[:, 1] - top2[:, 0]) >= 0.5
     assert np.array_equal(np.argmax(got, -1)[confident], np.argmax(ref, -1)[confident])
-    assert np.max(np.abs(got - ref)) < 1.0
+    assert np.mean(np.abs(got - ref)) < 0.1  # no systematic drift, only rounding-order noise
 
 
 def test_gpu_greedy_decode_equals_its_own_teacher_forced_logits(engines, reference):

@@ -449,6 +449,7 @@ class Daemon:
         if request.reset:
             self.latency.reset()
             timer.reset()
+            self.scheduler.reset_stats()
         return stats
 
     def _trace(self, request: Request) -> dict[str, Any]:

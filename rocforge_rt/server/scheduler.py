@@ -51,6 +51,7 @@ from rocforge_rt.server.protocol import (
 log = logging.getLogger("rocforge.server")
 
 END_OF_REPLIES = b""  # the last message the engine thread sends: it has stopped
+RUNTIME_STATS_INTERVAL_S = 0.1  # how often the backend's runtime counters are read
 MAX_EXPIRED_REMEMBERED = 4096
 
 
@@ -253,6 +254,10 @@ class Scheduler:
         self._stopping = False
         self._next_reap = 0.0
         self._out: zmq.Socket | None = None  # created on the engine thread, used only there
+        self._outgoing: list[list[bytes]] = []
+        self._runtime_stats: Callable[[], dict[str, Any]] | None = None
+        self._next_runtime_stats = 0.0
+        self._reset_requested = threading.Event()
         self.engine: Engine | None = None
         self.op_timer: OpTimer | None = None
         # published for the I/O thread (each replaced whole, never mutated)
@@ -265,6 +270,10 @@ class Scheduler:
     # --- called from the I/O thread -------------------------------------------------------
     def submit(self, job: Job) -> None:
         self._inbox.put(job)
+
+    def reset_stats(self) -> None:
+        """Ask for the backend's runtime counters to be cleared (done on the engine thread)."""
+        self._reset_requested.set()
 
     def stop(self) -> None:
         """Finish: every job left gets its final reply (the I/O thread cancelled them)."""
@@ -290,6 +299,7 @@ class Scheduler:
                 self.failure = f"the engine thread failed: {exc}"
                 self._fail_everything(self.failure)
         finally:
+            self._flush()
             self._out.send(END_OF_REPLIES)
             self._out.close(linger=1000)
 
@@ -298,6 +308,7 @@ class Scheduler:
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
+        self._runtime_stats = getattr(engine.backend, "runtime_stats", None)
         started = time.perf_counter()
         self._warm_up()
         self.op_timer.reset()
@@ -331,32 +342,44 @@ class Scheduler:
         }
 
     def _warm_up(self) -> None:
-        """One prefill per slot and one decode step of the full batch, before `ready`."""
+        """A prefill per slot, then a decode step of each batch size (a GPU backend captures
+        its step graph per batch size), before `ready`."""
         engine = self.engine
         token = engine.tokenizer.bos_id if engine.tokenizer and engine.tokenizer.bos_id else 0
-        sessions = [engine.open_session([token], max_tokens=2) for _ in range(engine.slots.n_slots)]
+        n_slots = engine.slots.n_slots
+        sessions = [engine.open_session([token], max_tokens=n_slots + 1) for _ in range(n_slots)]
         try:
-            running = [s for s in sessions if engine.prefill(s).finish_reason is None]
-            if running:
-                engine.decode(running)
+            for session in sessions:
+                engine.prefill(session)
+            for size in range(n_slots, 0, -1):
+                running = [s for s in sessions if not s.finished][:size]
+                if len(running) == size:  # a session may have ended early (EOS, context)
+                    engine.decode(running)
         finally:
             for session in sessions:
                 engine.close_session(session)
+        self._reset_runtime_stats()
 
     def _loop(self) -> None:
         while True:
             busy = bool(self._prefilling or self._decoding)
             self._take_jobs(block=not busy)
+            if self._reset_requested.is_set():
+                self._reset_requested.clear()
+                self._reset_runtime_stats()
             now = time.perf_counter()
             self._cut_cancelled(now)
+            self._flush()
             if self._stopping and not (self._prefilling or self._decoding):
                 self._close_all()
                 return
             self._reap_idle(now)
             if self._prefilling:
                 self._prefill_chunk()
+                self._flush()
             if self._decoding:
                 self._decode_step()
+                self._flush()
             self._publish_usage()
 
     def _take_jobs(self, *, block: bool) -> None:
@@ -368,6 +391,7 @@ class Scheduler:
                     self._stopping = True
                 else:
                     self._start(job)
+                    self._flush()
                 job = self._inbox.get_nowait()
         except queue.Empty:
             return
@@ -555,9 +579,10 @@ class Scheduler:
             for job, event in zip(jobs, events, strict=True):
                 self._next_token(job, event)
         self._decoding = [j for j in self._decoding if not j.done]
-        runtime_stats = getattr(self.engine.backend, "runtime_stats", None)
-        if runtime_stats is not None:
-            self.runtime_stats = runtime_stats()
+        now = time.perf_counter()
+        if self._runtime_stats is not None and now >= self._next_runtime_stats:
+            self._next_runtime_stats = now + RUNTIME_STATS_INTERVAL_S
+            self.runtime_stats = self._runtime_stats()
 
     def _first_token(self, job: Job, event: TokenEvent) -> None:
         job.completion_tokens = 1
@@ -724,6 +749,12 @@ class Scheduler:
                 self._expired.append((live.owner, live.session.session_id))
                 self._drop(live)
 
+    def _reset_runtime_stats(self) -> None:
+        reset = getattr(self.engine.backend, "reset_runtime_stats", None)
+        if reset is not None and self._runtime_stats is not None:
+            reset()
+            self.runtime_stats = self._runtime_stats()
+
     def _fail_everything(self, message: str) -> None:
         jobs = [*self._prefilling, *self._decoding]
         while True:
@@ -744,7 +775,13 @@ class Scheduler:
         self._publish_usage()
 
     def _reply(self, job: Job, reply: dict[str, Any]) -> None:
-        self._out.send_multipart([*job.envelope, pack(reply)])
+        self._outgoing.append([*job.envelope, pack(reply)])
+
+    def _flush(self) -> None:
+        """Send the replies made so far (after the step that made them is on record)."""
+        for frames in self._outgoing:
+            self._out.send_multipart(frames)
+        self._outgoing.clear()
 
     def _publish_usage(self) -> None:
         engine = self.engine
