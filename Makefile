@@ -1,5 +1,5 @@
 # Two entry points for a fresh Debian machine with Python >= 3.11:
-#   make run   - build the default model and generate text (TTFT and tokens/s on stderr)
+#   make run   - start the daemon on the default model, stream a chat reply, print TTFT and overhead stats, stop it
 #   make test  - install everything the suite needs (HIP compile toolchain included) and run it
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +22,7 @@ model: venv
 	$(BIN)/rocforge models default
 
 run: model
-	$(BIN)/rocforge generate --chat --prompt "$(PROMPT)" --max-tokens 64
+	$(BIN)/rocforge demo --prompt "$(PROMPT)" --max-tokens 64
 
 test: venv
 	bash scripts/install_hip_sdk.sh

@@ -86,6 +86,11 @@ def test_serve_refuses_a_public_bind_without_keys(tiny_model: Path, capsys) -> N
     assert "refusing to bind tcp://*:5555 without encryption" in capsys.readouterr().err
 
 
+def test_serve_names_a_missing_model_file(tmp_path: Path, capsys) -> None:
+    assert main(["serve", "--model", str(tmp_path / "none.gguf"), "--backend", "cpu"]) == 2
+    assert "none.gguf: model file" in capsys.readouterr().err
+
+
 # --- library ------------------------------------------------------------------------------------
 def test_a_chat_generation_streams_the_text_of_open_and_step(client: Client) -> None:
     stream = list(client.generate(messages=CHAT, max_tokens=6))

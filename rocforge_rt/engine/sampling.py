@@ -73,8 +73,8 @@ class Sampler:
         candidates = np.argsort(-logits, kind="stable")
         if p.top_k:
             candidates = candidates[: p.top_k]
-        scaled = logits[candidates].astype(np.float64) / p.temperature
-        probs = np.exp(scaled - scaled.max())
+        kept = logits[candidates].astype(np.float64)
+        probs = np.exp((kept - kept.max()) / p.temperature)  # shift first: no overflow
         probs /= probs.sum()
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)

@@ -6,10 +6,13 @@ call is timed on the host with `perf_counter_ns`. Calls are grouped into steps
 owns the timer; `snapshot` and `reset` may be called from any thread.
 
 On the CPU backend an op's host time is its numpy compute; on a GPU backend it
-is the launch cost. GPU backends report what the host cannot see (arg-cache
-hits, syncs, graph replay) through an optional `backend.runtime_stats()`;
-`recommend` reads these keys of it when present: `launches_per_step`,
-`arg_cache_hits`, `arg_cache_misses`, `syncs_per_step`, `graph_replay`.
+is the launch cost (in graph mode ops run only while a step graph is captured:
+replayed steps make no op calls). A step's time covers all the engine thread's
+work in it, sampling and replies included. GPU backends report what the host
+cannot see (arg-cache hits, syncs, graph replay) through an optional
+`backend.runtime_stats()`; `recommend` reads these keys of it when present:
+`launches_per_step`, `arg_cache_hits`, `arg_cache_misses`, `syncs_per_step`,
+`graph_replay`.
 """
 
 import threading
@@ -207,8 +210,9 @@ def recommend(overhead: Mapping[str, Any], runtime: Mapping[str, Any] | None) ->
     if decode is None:
         hints.append("no decode steps recorded yet: run some requests, then ask again")
         return hints
+    # On a GPU the time outside the ops includes the device's (the sync, a graph replay).
     other = decode["other_host_us_per_step"] / max(decode["mean_batch"], 1.0)
-    if other > HOST_BUDGET_US_PER_TOKEN:
+    if runtime is None and other > HOST_BUDGET_US_PER_TOKEN:
         hints.append(
             f"{other:.0f} us of host time per token outside the ops (sampling, readback, "
             f"detokenization, replies) is over the ~{HOST_BUDGET_US_PER_TOKEN:.0f} us budget"
