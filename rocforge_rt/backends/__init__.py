@@ -34,6 +34,17 @@ def resolve_backend_name(name: str) -> str:
     return "cpu"
 
 
+def device_memory_bytes(name: str) -> int:
+    """Memory of the device a resolved backend name runs on (host RAM for the CPU)."""
+    if name == "cpu":
+        import os
+
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    from rocforge_rt.backends import cuda, hip
+
+    return (cuda if name == "cuda" else hip).device_memory()
+
+
 def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
 

@@ -137,6 +137,14 @@ def device_count() -> int:
         return 0
 
 
+def device_memory(device_index: int = 0) -> int:
+    """Total memory of an NVIDIA device in bytes, without creating a context."""
+    cu = _driver_api()
+    check("cuInit", cu.cuInit(0))
+    device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
+    return int(check("cuDeviceTotalMem", cu.cuDeviceTotalMem(device)))
+
+
 class CudaDriver(Driver):
     """One NVIDIA device through the cuda-bindings driver API (its primary context)."""
 

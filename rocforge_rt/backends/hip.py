@@ -202,6 +202,13 @@ def device_count() -> int:
         return 0
 
 
+def device_memory(device_index: int = 0) -> int:
+    """Total memory of an AMD device in bytes."""
+    hip = _hip_api()
+    check("hipInit", hip.hipInit(0))
+    return int(check("hipDeviceTotalMem", hip.hipDeviceTotalMem(device_index)))
+
+
 class HipDriver(Driver):
     """One AMD device through hip-python's HIP module API."""
 

@@ -341,7 +341,7 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument(
         "--gpu-memory-limit",
         type=parse_size,
-        help="budget for weights + KV pool, e.g. 8GiB (CPU default: host RAM)",
+        help="weights + KV pool budget, e.g. 8GiB (default: device memory; CPU: host RAM)",
     )
     serve.add_argument(
         "--idle-timeout",

@@ -14,7 +14,6 @@ flight is cut and gets its final reply, sockets close, `run` returns.
 """
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from rocforge_rt.backends import resolve_backend_name
+from rocforge_rt.backends import device_memory_bytes, resolve_backend_name
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.errors import RocforgeError
@@ -76,7 +75,7 @@ class DaemonConfig:
     bind: str = DEFAULT_BIND
     ctx_size: int = 2048
     max_sessions: int = 4
-    memory_limit: int | None = None  # bytes for weights + KV pool; None: host RAM on the CPU
+    memory_limit: int | None = None  # bytes for weights + KV pool; None: the device (or host RAM)
     idle_timeout_s: float = 300.0
     max_prompt_tokens: int | None = None  # None: the context size - 1
     max_new_tokens: int | None = None  # None: the context size
@@ -87,10 +86,6 @@ class DaemonConfig:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_memory(
@@ -130,17 +125,16 @@ def plan(
         )
     kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
     limit = config.memory_limit
-    if limit is None and resolve_backend_name(config.backend) == "cpu":
-        limit = host_memory_bytes()
-    if limit is not None:
-        weights = sum(t.nbytes for t in model.tensors.values())
-        check_memory(
-            kv_bytes=kv,
-            weights_bytes=weights,
-            max_sessions=config.max_sessions,
-            n_ctx=n_ctx,
-            limit=limit,
-        )
+    if limit is None:
+        limit = device_memory_bytes(resolve_backend_name(config.backend))
+    weights = sum(t.nbytes for t in model.tensors.values())
+    check_memory(
+        kv_bytes=kv,
+        weights_bytes=weights,
+        max_sessions=config.max_sessions,
+        n_ctx=n_ctx,
+        limit=limit,
+    )
     log.info(
         "KV pool: %d sessions x %d tokens x %d bytes = %s",
         config.max_sessions,
