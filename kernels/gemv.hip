@@ -11,18 +11,37 @@
 //   w_d   f16 [n, k/32]: the block scales
 //
 // Prologue (every block): optionally RMS-normalize each activation row with
-// gain g (y = x / rms(x) * g), then quantize it into shared memory.
+// gain g (y = x / rms(x) * g), then quantize it into shared memory: d = amax / 127,
+// q = roundf(y / d) (half away from zero), f32 scale - the CPU backend's q8 mode.
+// Eight lanes quantize one 32-block (four elements each, 16-byte loads), so a
+// warp covers four blocks per step and the reductions are three shuffles.
+// The weight loads of each warp's first rows are issued before the prologue, so
+// their memory latency overlaps the quantization.
+//
+// Main loop: one warp per group of NO output rows (2 * NO weight rows with the
+// SwiGLU epilogue: gate row r and up row r + n, loaded together); lanes stride
+// over 32-element blocks, RF_GEMV_UNROLL blocks per lane per row loaded before
+// any is used. Warps walk the row groups with a grid stride, so the host may
+// launch fewer blocks than groups (fewer re-quantizations of x).
 // Epilogues: 0 store; 1 add the residual (out may alias residual);
 //            2 SwiGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
 //
-// Launch: block RF_GEMV_THREADS, grid ceil(n / (RF_GEMV_WARPS * rows_per_warp)),
-// dynamic shared rf_gemv_shared_bytes(n_rows, k) (see host code).
+// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu]: R = 1 takes one activation row
+// (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be 2
+// exactly for the _swiglu kernels.
+//
+// Launch: block RF_GEMV_THREADS, any grid >= 1 (grid-stride over
+// ceil(n / NO) row groups of one warp each), dynamic shared bytes
+//   n_rows * (k + (k / 32) * 8) + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS * 4.
 #include "rf_portability.h"
 
 #define RF_GEMV_THREADS 256
 #define RF_GEMV_WARPS (RF_GEMV_THREADS / RF_WARP_SIZE)
 #define RF_GEMV_MAX_ROWS 8
+#define RF_GEMV_UNROLL 4  // weight blocks per lane per row loaded before use
+#define RF_GEMV_X_REGS 4  // 16-byte activation pieces per thread kept in registers
 #define RF_QK 32
+#define RF_GEMV_MEMBER __device__ __forceinline__  // member functions (no `static`)
 
 #define RF_EPILOGUE_STORE 0
 #define RF_EPILOGUE_RESIDUAL 1
@@ -32,79 +51,197 @@ struct alignas(16) rf_u32x4 {
     uint32_t v[4];
 };
 
-// Quantized activation rows in shared memory.
-struct rf_q8_rows {
-    int8_t* qs;     // [n_rows][k]
-    float* d;       // [n_rows][k / 32]
-    int32_t* sum;   // [n_rows][k / 32]: sum of the block's int8 values
+struct alignas(16) rf_f32x4 {
+    float v[4];
 };
 
-// Normalize (optional) and quantize x[n_rows][k] into shared memory.
+struct alignas(8) rf_q8_meta {
+    float d;  // block scale
+    int sum;  // sum of the block's int8 values
+};
+
+// Quantized activation rows in shared memory. Block (t, b) of row t keeps its
+// elements 0..15 at lo + (t * n_blocks + b) * 16 and 16..31 at hi + (same), so
+// lanes reading consecutive blocks read consecutive 16-byte words (no bank
+// conflicts), and the halves pair with a Q4_0 block's low and high nibbles.
+struct rf_q8_rows {
+    int8_t* lo;
+    int8_t* hi;
+    rf_q8_meta* meta;  // [n_rows][n_blocks]
+};
+
+// Max and sum over the 8 aligned lanes that share one 32-element block.
+RF_DEVICE_INLINE float rf_group8_max(float v) {
+    v = fmaxf(v, rf_shfl_xor(v, 1));
+    v = fmaxf(v, rf_shfl_xor(v, 2));
+    return fmaxf(v, rf_shfl_xor(v, 4));
+}
+RF_DEVICE_INLINE int rf_group8_sum(int v) {
+    v += rf_shfl_xor(v, 1);
+    v += rf_shfl_xor(v, 2);
+    return v + rf_shfl_xor(v, 4);
+}
+
+RF_DEVICE_INLINE float rf_sum_squares(const rf_f32x4& v) {
+    return v.v[0] * v.v[0] + v.v[1] * v.v[1] + v.v[2] * v.v[2] + v.v[3] * v.v[3];
+}
+
+// 1 / rms of row t from the per-warp partial sums of squares.
+RF_DEVICE_INLINE float rf_inv_rms(const float* scratch, int t, int k, float eps) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < RF_GEMV_WARPS; ++w) {
+        total += scratch[t * RF_GEMV_WARPS + w];
+    }
+    return 1.0f / sqrtf(total / (float)k + eps);
+}
+
+// Quantize four consecutive elements (flat float4 index i of the activation,
+// row t, column col) as one eighth of their 32-block. Every lane of the warp
+// must call this together (it shuffles); inactive lanes pass active = false.
+RF_DEVICE_INLINE void rf_quantize4(rf_f32x4 v, bool active, int t, int col, int n_blocks,
+                                   const float* RF_RESTRICT gain, float inv_rms,
+                                   rf_q8_rows rows) {
+    if (active && gain != nullptr) {
+        const rf_f32x4 g = *(const rf_f32x4*)(gain + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v.v[e] = v.v[e] * inv_rms * g.v[e];
+        }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        amax = fmaxf(amax, fabsf(v.v[e]));
+    }
+    amax = rf_group8_max(amax);  // inactive lanes hold zeros and sit in whole groups
+    const float d = amax / 127.0f;
+    uint32_t packed = 0;
+    int sum = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int q = amax == 0.0f ? 0 : (int)roundf(v.v[e] / d);
+        packed |= ((uint32_t)q & 0xFFu) << (8 * e);
+        sum += q;
+    }
+    sum = rf_group8_sum(sum);
+    if (active) {
+        const int b = col / RF_QK, e = col % RF_QK;
+        const int blk = t * n_blocks + b;
+        int8_t* half = e < 16 ? rows.lo : rows.hi;
+        *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
+        if (e == 0) {
+            rows.meta[blk].d = d;
+            rows.meta[blk].sum = sum;
+        }
+    }
+}
+
+// Normalize (optional) and quantize x[n_rows][k] (rows contiguous) into shared
+// memory; ends with a barrier. One global read of x when it fits in registers
+// (one row, k <= 4 * RF_GEMV_X_REGS * RF_GEMV_THREADS), else two.
+template <int RCAP>
 RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, int k,
                                        const float* RF_RESTRICT gain, float eps,
                                        rf_q8_rows rows, float* scratch) {
+    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
     const int n_blocks = k / RF_QK;
-    for (int t = 0; t < n_rows; ++t) {
-        const float* xr = x + (int64_t)t * k;
+    const int k4 = k / 4;
+    const rf_f32x4* x4 = (const rf_f32x4*)x;
+    if ((RCAP == 1 || n_rows == 1) && k4 <= RF_GEMV_X_REGS * RF_GEMV_THREADS) {
+        rf_f32x4 v[RF_GEMV_X_REGS];
+        float ss = 0.0f;
+#pragma unroll
+        for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+            const int i = p * RF_GEMV_THREADS + threadIdx.x;
+            if (i < k4) {
+                v[p] = x4[i];
+                ss += rf_sum_squares(v[p]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    v[p].v[e] = 0.0f;
+                }
+            }
+        }
         float inv_rms = 1.0f;
         if (gain != nullptr) {
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) {
-                ss += xr[i] * xr[i];
-            }
             ss = rf_warp_sum(ss);
-            const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
             if (lane == 0) {
                 scratch[warp] = ss;
             }
             __syncthreads();
-            float total = 0.0f;
-            for (int w = 0; w < RF_GEMV_WARPS; ++w) {
-                total += scratch[w];
-            }
-            inv_rms = 1.0f / sqrtf(total / (float)k + eps);
-            __syncthreads();
+            inv_rms = rf_inv_rms(scratch, 0, k, eps);
         }
-        // One thread per 32-element block: amax, scale, quantize (roundf: half away from 0).
-        for (int b = threadIdx.x; b < n_blocks; b += blockDim.x) {
-            float v[RF_QK];
-            float amax = 0.0f;
 #pragma unroll
-            for (int i = 0; i < RF_QK; ++i) {
-                float xi = xr[b * RF_QK + i];
-                if (gain != nullptr) {
-                    xi = xi * inv_rms * gain[b * RF_QK + i];
-                }
-                v[i] = xi;
-                amax = fmaxf(amax, fabsf(xi));
+        for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+            const int base = p * RF_GEMV_THREADS + warp * RF_WARP_SIZE;
+            if (base < k4) {  // warp-uniform
+                const int i = base + lane;
+                rf_quantize4(v[p], i < k4, 0, i * 4, n_blocks, gain, inv_rms, rows);
             }
-            const float d = amax / 127.0f;
-            int sum = 0;
-#pragma unroll
-            for (int i = 0; i < RF_QK; ++i) {
-                const int q = amax == 0.0f ? 0 : (int)roundf(v[i] / d);
-                rows.qs[(int64_t)t * k + b * RF_QK + i] = (int8_t)q;
-                sum += q;
-            }
-            rows.d[t * n_blocks + b] = d;
-            rows.sum[t * n_blocks + b] = sum;
         }
+        __syncthreads();
+        return;
+    }
+    if (gain != nullptr) {
+        for (int t = 0; t < n_rows; ++t) {
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < k4; i += RF_GEMV_THREADS) {
+                ss += rf_sum_squares(x4[t * k4 + i]);
+            }
+            ss = rf_warp_sum(ss);
+            if (lane == 0) {
+                scratch[t * RF_GEMV_WARPS + warp] = ss;
+            }
+        }
+        __syncthreads();
+    }
+    const int total = n_rows * k4;
+    int cached_t = -1;
+    float inv_rms = 1.0f;
+    for (int base = warp * RF_WARP_SIZE; base < total; base += RF_GEMV_THREADS) {
+        const int i = base + lane;
+        const bool active = i < total;
+        rf_f32x4 v = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        int t = 0, col = 0;
+        if (active) {
+            t = i / k4;
+            col = (i - t * k4) * 4;
+            v = x4[i];
+            if (gain != nullptr && t != cached_t) {
+                inv_rms = rf_inv_rms(scratch, t, k, eps);
+                cached_t = t;
+            }
+        }
+        rf_quantize4(v, active, t, col, n_blocks, gain, inv_rms, rows);
     }
     __syncthreads();
 }
 
-// Integer dot of one Q4_0 weight block with one q8 activation block, as
-// sum(nibble * q) - 8 * sum(q), times the weight scale.
+// Integer dot of one weight block with one q8 activation block (halves xl, xh),
+// returning w_d * (integer dot, minus the Q4_0 offset 8 * sum(q)).
 struct rf_q4_0_format {
     static constexpr int block_bytes = 16;
-    RF_DEVICE_INLINE float dot(const uint8_t* w_block, float w_d, const int8_t* x_q, int x_sum) {
-        const rf_u32x4 w = *(const rf_u32x4*)w_block;
-        const int* xi = (const int*)x_q;
+    struct raw {
+        rf_u32x4 q;
+    };
+    static RF_GEMV_MEMBER void load(raw& w, const uint8_t* p) {
+        w.q = *(const rf_u32x4*)p;
+    }
+    static RF_GEMV_MEMBER void zero(raw& w) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w.q.v[i] = 0u;
+        }
+    }
+    static RF_GEMV_MEMBER float dot(const raw& w, float w_d, const rf_u32x4& xl,
+                                      const rf_u32x4& xh, int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            acc = rf_dp4a((int)(w.v[i] & 0x0F0F0F0Fu), xi[i], acc);
-            acc = rf_dp4a((int)((w.v[i] >> 4) & 0x0F0F0F0Fu), xi[4 + i], acc);
+            acc = rf_dp4a((int)(w.q.v[i] & 0x0F0F0F0Fu), (int)xl.v[i], acc);
+            acc = rf_dp4a((int)((w.q.v[i] >> 4) & 0x0F0F0F0Fu), (int)xh.v[i], acc);
         }
         return w_d * (float)(acc - 8 * x_sum);
     }
@@ -112,104 +249,202 @@ struct rf_q4_0_format {
 
 struct rf_q8_0_format {
     static constexpr int block_bytes = 32;
-    RF_DEVICE_INLINE float dot(const uint8_t* w_block, float w_d, const int8_t* x_q, int x_sum) {
-        const rf_u32x4 lo = *(const rf_u32x4*)w_block;
-        const rf_u32x4 hi = *(const rf_u32x4*)(w_block + 16);
-        const int* xi = (const int*)x_q;
+    struct raw {
+        rf_u32x4 lo, hi;
+    };
+    static RF_GEMV_MEMBER void load(raw& w, const uint8_t* p) {
+        w.lo = *(const rf_u32x4*)p;
+        w.hi = *(const rf_u32x4*)(p + 16);
+    }
+    static RF_GEMV_MEMBER void zero(raw& w) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w.lo.v[i] = 0u;
+            w.hi.v[i] = 0u;
+        }
+    }
+    static RF_GEMV_MEMBER float dot(const raw& w, float w_d, const rf_u32x4& xl,
+                                      const rf_u32x4& xh, int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            acc = rf_dp4a((int)lo.v[i], xi[i], acc);
-            acc = rf_dp4a((int)hi.v[i], xi[4 + i], acc);
+            acc = rf_dp4a((int)w.lo.v[i], (int)xl.v[i], acc);
+            acc = rf_dp4a((int)w.hi.v[i], (int)xh.v[i], acc);
         }
         (void)x_sum;
         return w_d * (float)acc;
     }
 };
 
-// Dot of weight row `row` with every activation row; results in acc[0..n_rows).
-template <typename Format>
-RF_DEVICE_INLINE void rf_row_dots(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
-                                  int row, int k, int n_rows, rf_q8_rows x,
-                                  float acc[RF_GEMV_MAX_ROWS]) {
-    const int n_blocks = k / RF_QK;
-    const int lane = threadIdx.x % RF_WARP_SIZE;
-    const uint8_t* qs = w_qs + (int64_t)row * n_blocks * Format::block_bytes;
-    const uint16_t* ds = w_d + (int64_t)row * n_blocks;
+// Weight rows and blocks one lane holds in registers: NW rows x RF_GEMV_UNROLL blocks.
+template <typename Format, int NO, bool SWIGLU>
+struct rf_weight_chunk {
+    static constexpr int NW = SWIGLU ? 2 * NO : NO;
+    typename Format::raw q[NW][RF_GEMV_UNROLL];
+    float d[NW][RF_GEMV_UNROLL];
+
+    // Load chunk c of row group g: block c * WARP * UNROLL + u * WARP + lane of each
+    // row (zeros past the row's end or past n).
+    RF_GEMV_MEMBER void load(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
+                               int n, int n_blocks, int g, int c, int lane) {
 #pragma unroll
-    for (int t = 0; t < RF_GEMV_MAX_ROWS; ++t) {
-        acc[t] = 0.0f;
-    }
-    for (int b = lane; b < n_blocks; b += RF_WARP_SIZE) {
-        const float wd = rf_half_to_float(ds[b]);
+        for (int j = 0; j < NW; ++j) {
+            const int out_row = g * NO + (j % NO);
+            const int row = out_row + (j >= NO ? n : 0);
+            const int64_t row_block = (int64_t)row * n_blocks;
 #pragma unroll
-        for (int t = 0; t < RF_GEMV_MAX_ROWS; ++t) {
-            if (t < n_rows) {
-                const int xb = t * n_blocks + b;
-                acc[t] += x.d[xb] * Format().dot(qs + b * Format::block_bytes, wd,
-                                                 x.qs + (int64_t)xb * RF_QK, x.sum[xb]);
+            for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
+                const int b = (c * RF_GEMV_UNROLL + u) * RF_WARP_SIZE + lane;
+                if (out_row < n && b < n_blocks) {
+                    Format::load(q[j][u], w_qs + (row_block + b) * Format::block_bytes);
+                    d[j][u] = rf_half_to_float(w_d[row_block + b]);
+                } else {
+                    Format::zero(q[j][u]);
+                    d[j][u] = 0.0f;
+                }
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < RF_GEMV_MAX_ROWS; ++t) {
-        acc[t] = rf_warp_sum(acc[t]);
-    }
-}
+};
 
-template <typename Format>
+template <typename Format, int NO, bool SWIGLU, int RCAP>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
-                              const float* RF_RESTRICT gain, float eps, int rows_per_warp,
-                              int epilogue, const float* residual, float* out) {
+                              const float* RF_RESTRICT gain, float eps, int epilogue,
+                              const float* residual, float* out) {
+    constexpr int NW = SWIGLU ? 2 * NO : NO;
     extern __shared__ __align__(16) uint8_t rf_shared[];
     const int n_blocks = k / RF_QK;
     rf_q8_rows rows;
-    rows.qs = (int8_t*)rf_shared;
-    rows.d = (float*)(rf_shared + n_rows * k);
-    rows.sum = (int32_t*)(rows.d + n_rows * n_blocks);
-    float* scratch = (float*)(rows.sum + n_rows * n_blocks);
-    rf_quantize_rows(x, n_rows, k, gain, eps, rows, scratch);
+    rows.lo = (int8_t*)rf_shared;
+    rows.hi = rows.lo + n_rows * n_blocks * 16;
+    rows.meta = (rf_q8_meta*)(rf_shared + n_rows * k);
+    float* scratch = (float*)(rows.meta + n_rows * n_blocks);
 
     const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
-    const int first = (blockIdx.x * RF_GEMV_WARPS + warp) * rows_per_warp;
-    for (int row = first; row < first + rows_per_warp && row < n; ++row) {
-        float acc[RF_GEMV_MAX_ROWS];
-        rf_row_dots<Format>(w_qs, w_d, row, k, n_rows, rows, acc);
-        float up[RF_GEMV_MAX_ROWS];
-        if (epilogue == RF_EPILOGUE_SWIGLU) {
-            rf_row_dots<Format>(w_qs, w_d, row + n, k, n_rows, rows, up);
+    const int n_groups = (n + NO - 1) / NO;
+    const int n_chunks = (n_blocks + RF_WARP_SIZE * RF_GEMV_UNROLL - 1) /
+                         (RF_WARP_SIZE * RF_GEMV_UNROLL);
+    const int stride = gridDim.x * RF_GEMV_WARPS;
+    int g = blockIdx.x * RF_GEMV_WARPS + warp;
+
+    rf_weight_chunk<Format, NO, SWIGLU> w;
+    if (g < n_groups) {
+        w.load(w_qs, w_d, n, n_blocks, g, 0, lane);  // in flight during the prologue
+    }
+    rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
+
+    for (; g < n_groups; g += stride) {
+        float acc[NW][RCAP];
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+#pragma unroll
+            for (int t = 0; t < RCAP; ++t) {
+                acc[j][t] = 0.0f;
+            }
+        }
+        for (int c = 0; c < n_chunks; ++c) {
+            if (c > 0) {
+                w.load(w_qs, w_d, n, n_blocks, g, c, lane);
+            }
+#pragma unroll
+            for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
+                const int b = (c * RF_GEMV_UNROLL + u) * RF_WARP_SIZE + lane;
+                if (b < n_blocks) {
+#pragma unroll
+                    for (int t = 0; t < RCAP; ++t) {
+                        if (t < n_rows) {
+                            const int xb = t * n_blocks + b;
+                            const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + xb * 16);
+                            const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + xb * 16);
+                            const rf_q8_meta m = rows.meta[xb];
+#pragma unroll
+                            for (int j = 0; j < NW; ++j) {
+                                acc[j][t] +=
+                                    m.d * Format::dot(w.q[j][u], w.d[j][u], xl, xh, m.sum);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        const int first_row = g * NO;
+        if (g + stride < n_groups) {
+            w.load(w_qs, w_d, n, n_blocks, g + stride, 0, lane);  // next group's first chunk
+        }
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+#pragma unroll
+            for (int t = 0; t < RCAP; ++t) {
+                acc[j][t] = rf_warp_sum(acc[j][t]);
+            }
         }
         if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < RF_GEMV_MAX_ROWS; ++t) {
-                if (t < n_rows) {
-                    const int64_t o = (int64_t)t * n + row;
-                    float y = acc[t];
-                    if (epilogue == RF_EPILOGUE_RESIDUAL) {
-                        y += residual[o];
-                    } else if (epilogue == RF_EPILOGUE_SWIGLU) {
-                        y = y / (1.0f + expf(-y)) * up[t];
+            for (int j = 0; j < NO; ++j) {
+                const int row = first_row + j;
+#pragma unroll
+                for (int t = 0; t < RCAP; ++t) {
+                    if (t < n_rows && row < n) {
+                        const int64_t o = (int64_t)t * n + row;
+                        float y = acc[j][t];
+                        if (SWIGLU) {
+                            y = y / (1.0f + expf(-y)) * acc[NW - NO + j][t];
+                        } else if (epilogue == RF_EPILOGUE_RESIDUAL) {
+                            y += residual[o];
+                        }
+                        out[o] = y;
                     }
-                    out[o] = y;
                 }
             }
         }
     }
 }
 
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS)
-void rf_gemv_q4_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
-                  const float* RF_RESTRICT x, int n_rows, const float* RF_RESTRICT gain, float eps,
-                  int rows_per_warp, int epilogue, const float* residual, float* out) {
-    rf_gemv<rf_q4_0_format>(w_qs, w_d, n, k, x, n_rows, gain, eps, rows_per_warp, epilogue,
-                            residual, out);
-}
+#define RF_GEMV_PARAMS                                                                   \
+    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
+        const float *RF_RESTRICT x, int n_rows, const float *RF_RESTRICT gain, float eps, \
+        int epilogue, const float *residual, float *out
+#define RF_GEMV_CALL(format, no, swiglu, rcap)                                                \
+    rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, gain, eps, epilogue, residual, \
+                                      out)
 
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS)
-void rf_gemv_q8_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
-                  const float* RF_RESTRICT x, int n_rows, const float* RF_RESTRICT gain, float eps,
-                  int rows_per_warp, int epilogue, const float* residual, float* out) {
-    rf_gemv<rf_q8_0_format>(w_qs, w_d, n, k, x, n_rows, gain, eps, rows_per_warp, epilogue,
-                            residual, out);
+// Q4_0, one activation row (decode).
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 1, false, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 2, false, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 4, false, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 1, true, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 2, true, 1);
+}
+// Q4_0, up to RF_GEMV_MAX_ROWS activation rows.
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 1, false, RF_GEMV_MAX_ROWS);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q4_0_format, 1, true, RF_GEMV_MAX_ROWS);
+}
+// Q8_0.
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q8_0_format, 1, false, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n2(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q8_0_format, 2, false, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q8_0_format, 1, true, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b8_n1(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q8_0_format, 1, false, RF_GEMV_MAX_ROWS);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
+    RF_GEMV_CALL(rf_q8_0_format, 1, true, RF_GEMV_MAX_ROWS);
 }

@@ -66,6 +66,18 @@ RF_DEVICE_INLINE uint16_t rf_float_to_half(float v) {  // round to nearest even
 
 #define RF_INFINITY __builtin_huge_valf()
 
+// rf_shfl(v, src, width): v of lane `src` of this lane's aligned group of `width` lanes.
+RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {
+    return __shfl(v, src_lane, width);
+}
+RF_DEVICE_INLINE float rf_int_as_float(int v) {
+    return __builtin_bit_cast(float, v);
+}
+
+// No int8 matrix instruction is used on AMD yet: rf_mma_s8_m16n8k32 below is
+// emulated with shuffles and dp4a (MFMA/WMMA versions are future work).
+#define RF_HAS_MMA_S8 0
+
 // rf_dp4a(a, b, c) = c + sum of the four signed-byte products of a and b.
 #if defined(__GFX11__) || defined(__GFX12__)
 // RDNA3/4: the mixed-signedness dot product, both operands signed.
@@ -120,6 +132,24 @@ RF_DEVICE_INLINE uint16_t rf_float_to_half(float v) {  // round to nearest even
 
 #define RF_INFINITY __int_as_float(0x7f800000)
 
+// rf_shfl(v, src, width): v of lane `src` of this lane's aligned group of `width` lanes.
+RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {
+    return __shfl_sync(0xffffffffu, v, src_lane, width);
+}
+RF_DEVICE_INLINE float rf_int_as_float(int v) {
+    return __int_as_float(v);
+}
+
+// c += A * B on the int8 tensor cores (sm_80+), over one warp: see
+// rf_mma_s8_m16n8k32 below for the fragment layout.
+#define RF_HAS_MMA_S8 1
+RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // rf_dp4a(a, b, c) = c + sum of the four signed-byte products of a and b.
 RF_DEVICE_INLINE int rf_dp4a(int a, int b, int c) {
     return __dp4a(a, b, c);
@@ -159,5 +189,34 @@ RF_DEVICE_INLINE float rf_warp_max(float v) {
 RF_DEVICE_INLINE float rf_load_half(const uint8_t* p) {
     return rf_half_to_float(*(const uint16_t*)p);
 }
+
+// rf_mma_s8_m16n8k32(c, a, b): c[4] += A * B for a 16x32 int8 A and a 32x8 int8 B
+// held by the 32 lanes of an aligned lane group (threadIdx.x / 32; a CUDA warp,
+// half a CDNA wavefront), int32 C 16x8, in the layout of PTX mma.m16n8k32.s8.
+// With g = lane / 4 and t = lane % 4, each register packs 4 consecutive k:
+//   a[0] = A[g][4t..],  a[1] = A[g+8][4t..],  a[2] = A[g][16+4t..],  a[3] = A[g+8][16+4t..]
+//   b[0] = B[4t..][g],  b[1] = B[16+4t..][g]
+//   c[0] = C[g][2t],  c[1] = C[g][2t+1],  c[2] = C[g+8][2t],  c[3] = C[g+8][2t+1]
+// Every lane of the group must call it together (1-D blocks, multiple of 32).
+#if !RF_HAS_MMA_S8
+RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+    const int lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int row_lane = 4 * g + s;        // holds k chunk s of rows g and g + 8
+        const int col0_lane = 4 * (2 * t) + s;  // k chunk s of column 2t
+        const int col1_lane = col0_lane + 4;    // ... of column 2t + 1
+        const int a0 = rf_shfl((int)a[0], row_lane, 32), a1 = rf_shfl((int)a[1], row_lane, 32);
+        const int a2 = rf_shfl((int)a[2], row_lane, 32), a3 = rf_shfl((int)a[3], row_lane, 32);
+        const int b00 = rf_shfl((int)b[0], col0_lane, 32), b01 = rf_shfl((int)b[1], col0_lane, 32);
+        const int b10 = rf_shfl((int)b[0], col1_lane, 32), b11 = rf_shfl((int)b[1], col1_lane, 32);
+        c[0] = rf_dp4a(a2, b01, rf_dp4a(a0, b00, c[0]));
+        c[1] = rf_dp4a(a2, b11, rf_dp4a(a0, b10, c[1]));
+        c[2] = rf_dp4a(a3, b01, rf_dp4a(a1, b00, c[2]));
+        c[3] = rf_dp4a(a3, b11, rf_dp4a(a1, b10, c[3]));
+    }
+}
+#endif
 
 #endif  // RF_PORTABILITY_H

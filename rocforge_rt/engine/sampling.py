@@ -74,7 +74,8 @@ class Sampler:
         if p.top_k:
             candidates = candidates[: p.top_k]
         kept = logits[candidates].astype(np.float64)
-        probs = np.exp((kept - kept.max()) / p.temperature)  # shift first: no overflow
+        with np.errstate(over="ignore"):  # a tiny temperature sends all but the max to -inf
+            probs = np.exp((kept - kept.max()) / p.temperature)
         probs /= probs.sum()
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)

@@ -28,6 +28,16 @@ QK = 32  # elements per quant block
 GEMV_THREADS = 256
 GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes (kernels/gemv.hip)
 GEMV_SHARED_LIMIT = 48 * 1024  # portable without opt-in (AMD LDS is 64 KiB)
+# Output rows one warp computes together, per (format, SwiGLU), for one activation row:
+# the rf_gemv_<fmt>_b1_n<NO>[_swiglu] kernels; more activation rows take the b8_n1 ones.
+GEMV_ROWS_PER_WARP = {
+    ("q4_0", False): (1, 2, 4),
+    ("q4_0", True): (1, 2),
+    ("q8_0", False): (1, 2),
+    ("q8_0", True): (1,),
+}
+GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
+GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
 EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
 EMBED_THREADS = 256
 ROPE_THREADS = 256
@@ -35,7 +45,7 @@ ATTN_THREADS = 128
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 8, 128
 ARGMAX_THREADS = 1024
 
-GEMV_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32", "i32", "i32", "ptr", "ptr")
+GEMV_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32", "i32", "ptr", "ptr")
 EMBED_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr")
 ROPE_ARGS = ("ptr",) * 8 + ("i32",) * 6
 ATTN_ARGS = ("ptr",) * 5 + ("i32",) * 4 + ("f32", "i32", "ptr", "ptr", "ptr")
@@ -259,19 +269,35 @@ class GpuBackend:
         epilogue: int = EPILOGUE_STORE,
         residual_ptr: int = 0,
     ) -> None:
-        """out = W x for every activation row, GEMV_MAX_ROWS (or fewer, to fit) per launch."""
+        """out = W x for every activation row, GEMV_MAX_ROWS (or fewer, to fit) per launch.
+
+        One activation row (decode) takes the widest row group per warp that still gives
+        each multiprocessor a block, and at most GEMV_MAX_BLOCKS_PER_SM blocks per
+        multiprocessor (the warps stride over the rest); several rows take b8_n1.
+        """
         k = matrix.k
-        per_row_shared = k + (k // QK) * 8
-        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - 64) // per_row_shared))
-        warps = GEMV_THREADS // self.driver.info.warp_size
-        target_blocks = 2 * self.driver.info.multiprocessors
-        rows_per_warp = max(1, min(4, n_out // (warps * target_blocks)))
-        grid = (math.ceil(n_out / (warps * rows_per_warp)), 1, 1)
-        kernel = f"rf_gemv_{matrix.fmt}"
+        info = self.driver.info
+        warps = GEMV_THREADS // info.warp_size
+        per_row_shared = k + (k // QK) * 8  # int8 quants + (f32 scale, i32 sum) per block
+        scratch = GEMV_MAX_ROWS * warps * 4
+        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - scratch) // per_row_shared))
+        swiglu = epilogue == EPILOGUE_SWIGLU
+        suffix = "_swiglu" if swiglu else ""
         gain_ptr = gain.ptr if gain is not None else 0
         for first in range(0, x.rows, max_rows):
             rows = min(max_rows, x.rows - first)
-            shared = rows * per_row_shared + warps * 4
+            if rows == 1:
+                choices = GEMV_ROWS_PER_WARP[(matrix.fmt, swiglu)]
+                min_blocks = GEMV_MIN_BLOCKS_PER_SM * info.multiprocessors
+                wide = [no for no in choices if math.ceil(n_out / no / warps) >= min_blocks]
+                no = max(wide, default=choices[0])
+                kernel = f"rf_gemv_{matrix.fmt}_b1_n{no}{suffix}"
+            else:
+                no = 1
+                kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n1{suffix}"
+            blocks = math.ceil(math.ceil(n_out / no) / warps)
+            grid = (max(1, min(blocks, GEMV_MAX_BLOCKS_PER_SM * info.multiprocessors)), 1, 1)
+            shared = rows * per_row_shared + scratch
             out_offset = first * n_out * 4
             self._launch(
                 ("gemv", matrix.qs.ptr, epilogue, first, rows, x.ptr),
@@ -288,7 +314,6 @@ class GpuBackend:
                     rows,
                     gain_ptr,
                     self.hparams.rms_eps,
-                    rows_per_warp,
                     epilogue,
                     residual_ptr + out_offset if residual_ptr else 0,
                     out_ptr + out_offset,
