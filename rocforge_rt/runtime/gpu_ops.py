@@ -7,6 +7,7 @@ handle's arguments are the same bytes from one decode step to the next.
 """
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +153,7 @@ class GpuBackend:
         self._logprob_host = driver.alloc_pinned(max_tokens * 4)
         self._logits_host = driver.alloc_pinned(max_tokens * hparams.n_vocab * 4)
         self.steps = 0
+        self.host_ns = 0  # host time issuing steps, up to the final synchronization
         # Activations.
         self.x = self._zeros(max_tokens * hp.n_embd * f32)
         self.qkv = self._zeros(max_tokens * (hp.q_dim + hp.kv_dim_k + hp.kv_dim_v) * f32)
@@ -469,6 +471,7 @@ class GpuBackend:
         self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
     ) -> StepOutput:
         """One step in this backend's mode; the only synchronization is the final readback."""
+        issue_start = time.perf_counter_ns()
         self.write_step_state(batch)
         rows = len(batch.logit_rows)
         decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
@@ -479,7 +482,6 @@ class GpuBackend:
                 graph.capture(lambda: self._record(run_forward))
                 self._graphs[rows] = graph
             graph.replay()
-            logits = Activation(self.logits, rows, self.hparams.n_vocab)
         else:
             logits = run_forward()
             self.sample_greedy(logits)
@@ -493,6 +495,7 @@ class GpuBackend:
             if want_logits:
                 nbytes = rows * self.hparams.n_vocab * 4
                 self.driver.copy_dtoh(self._logits_host, self.logits, self.stream, nbytes=nbytes)
+        self.host_ns += time.perf_counter_ns() - issue_start
         self.stream.synchronize()
         self.steps += 1
         greedy, greedy_logprobs = tokens[:rows].copy(), logprobs[:rows].copy()
@@ -517,6 +520,7 @@ class GpuBackend:
             "mode": self.mode,
             "steps": self.steps,
             "launches_per_step": counters["launches"] / steps,
+            "host_us_per_step": self.host_ns / steps / 1000,
             "syncs_per_step": counters["syncs"] / steps,
             "graph_replay": self.mode == "graph",
             "graph_replays": counters["graph_replays"],
@@ -531,6 +535,7 @@ class GpuBackend:
         self.driver.counters.reset()
         ARG_CACHE_STATS.reset()
         self.steps = 0
+        self.host_ns = 0
 
     def _record(self, run_forward: Callable[[], Activation]) -> list[LaunchHandle]:
         """Issue the forward and the sampler, returning every handle launched (for capture)."""
