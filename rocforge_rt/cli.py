@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.errors import RocforgeError
-from rocforge_rt.server.cli_commands import add_server_commands
+from rocforge_rt.server.cli_commands import add_generation_options, add_server_commands
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -66,15 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt (text to stdout)")
     gen.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
-    gen.add_argument("--system", help="system message for --chat")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_generation_options(gen)
     gen.add_argument("--ctx-size", type=int, default=2048)
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     gen.set_defaults(func=_cmd_generate)

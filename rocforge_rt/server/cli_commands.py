@@ -324,6 +324,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- registration -----------------------------------------------------------------------------
+def add_generation_options(parser: argparse.ArgumentParser) -> None:
+    """Prompt, chat and sampling options shared by `generate` and `client generate`."""
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="render the prompt as a chat turn")
+    parser.add_argument("--system", help="system message for --chat")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
 def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--addr", default=DEFAULT_ADDR, help=f"daemon address ({DEFAULT_ADDR})")
     parser.add_argument("--curve-keys", help="folder with client.key_secret and server.key")
@@ -361,15 +374,7 @@ def add_server_commands(sub: Any) -> None:
     client_sub = client.add_subparsers(dest="client_command", required=True)
     gen = client_sub.add_parser("generate", help="stream a generation to stdout")
     _client_options(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
-    gen.add_argument("--system", help="system message for --chat")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_generation_options(gen)
     gen.set_defaults(func=_cmd_client_generate)
     stats = client_sub.add_parser("stats", help="latency, op overhead table, KV use")
     _client_options(stats)
