@@ -287,6 +287,19 @@ class Client:
         """Chrome/Perfetto trace JSON of the daemon's last steps."""
         return self.call("trace", timeout=timeout, steps=steps)["trace"]
 
+    def profile(
+        self,
+        *,
+        launches: bool | None = None,
+        kernels: bool | None = None,
+        every: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Switch the launch tracker and the kernel timer (None: unchanged); their state."""
+        return self.call(
+            "profile", timeout=timeout, launches=launches, kernels=kernels, every=every
+        )
+
     def open(
         self,
         prompt: str | None = None,

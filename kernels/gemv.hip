@@ -1,7 +1,8 @@
 // Quantized GEMV for decode and small batches: out[t, :] = W x[t, :] for up to
 // RF_GEMV_MAX_ROWS activation rows t, with the activation quantized to int8 per
-// 32-element block (scale d and integer sum kept, as llama.cpp's q8_1) and dp4a
-// dot products against repacked weights.
+// 32-element block (scale d kept, as llama.cpp's q8_1) and dp4a dot products
+// against repacked weights. The arithmetic is rf_q8.h's, shared with the prefill
+// GEMM (gemm.hip): the same row gives bit-identical outputs through either.
 //
 // Weights, repacked at load (same bytes as GGUF, scales moved apart so the
 // quants are 16-byte aligned for wide loads):
@@ -11,36 +12,40 @@
 //   w_d   f16 [n, k/32]: the block scales
 //
 // Prologue (every block): optionally RMS-normalize each activation row with
-// gain g (y = x / rms(x) * g), then quantize it into shared memory: d = amax / 127,
-// q = roundf(y / d) (half away from zero), f32 scale - the CPU backend's q8 mode.
-// Eight lanes quantize one 32-block (four elements each, 16-byte loads), so a
-// warp covers four blocks per step and the reductions are three shuffles.
-// The weight loads of each warp's first rows are issued before the prologue, so
-// their memory latency overlaps the quantization.
+// gain g, then quantize it into shared memory (rf_q8.h). Eight lanes quantize one
+// 32-block (four elements each, 16-byte loads), so a warp covers four blocks per
+// step and the reductions are three shuffles. The weight loads of each warp's
+// first rows are issued before the prologue, so their latency overlaps it.
 //
 // Main loop: one warp per group of NO output rows (2 * NO weight rows with the
-// SwiGLU epilogue: gate row r and up row r + n, loaded together); lanes stride
-// over 32-element blocks, RF_GEMV_UNROLL blocks per lane per row loaded before
-// any is used. Warps walk the row groups with a grid stride, so the host may
-// launch fewer blocks than groups (fewer re-quantizations of x).
+// SwiGLU epilogue: gate row r and up row r + n, loaded together). Lane l takes the
+// canonical sum's stages l, l + 32, ... (RF_Q8_STAGE consecutive blocks each),
+// RF_GEMV_STAGES_PER_LANE of them per chunk, all their weights loaded before use;
+// after each chunk the warp folds the chunk's stage sums in stage order with
+// shuffles (every lane ends with the total). Warps walk the row groups with a grid
+// stride, so the host may launch fewer blocks than groups.
 // Epilogues: 0 store; 1 add the residual (out may alias residual);
 //            2 SwiGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
 //
-// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu]: R = 1 takes one activation row
+// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_rope]: R = 1 takes one activation row
 // (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be 2
-// exactly for the _swiglu kernels.
+// exactly for the _swiglu kernels; the _rope kernels (the QKV projection) store
+// through rf_rope_store instead (rf_rope.h) and take its arguments.
 //
 // Launch: block RF_GEMV_THREADS, any grid >= 1 (grid-stride over
 // ceil(n / NO) row groups of one warp each), dynamic shared bytes
-//   n_rows * (k + (k / 32) * 8) + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS * 4.
+//   n_rows * padded_blocks * 40 + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS * 4,
+// padded_blocks = k / 32 rounded up to a multiple of RF_Q8_STAGE.
 #include "rf_portability.h"
+#include "rf_q8.h"
+#include "rf_rope.h"
 
-#define RF_GEMV_THREADS 256
+#define RF_GEMV_THREADS RF_Q8_NORM_THREADS
 #define RF_GEMV_WARPS (RF_GEMV_THREADS / RF_WARP_SIZE)
 #define RF_GEMV_MAX_ROWS 8
-#define RF_GEMV_UNROLL 4  // weight blocks per lane per row loaded before use
+#define RF_GEMV_STAGES_PER_LANE 2  // canonical-sum stages a lane takes per chunk
+#define RF_GEMV_UNROLL (RF_GEMV_STAGES_PER_LANE * RF_Q8_STAGE)  // blocks per lane per row in flight
 #define RF_GEMV_X_REGS 4  // 16-byte activation pieces per thread kept in registers
-#define RF_QK 32
 #define RF_GEMV_MEMBER __device__ __forceinline__  // member functions (no `static`)
 
 #define RF_EPILOGUE_STORE 0
@@ -60,15 +65,21 @@ struct alignas(8) rf_q8_meta {
     int sum;  // sum of the block's int8 values
 };
 
-// Quantized activation rows in shared memory. Block (t, b) of row t keeps its
-// elements 0..15 at lo + (t * n_blocks + b) * 16 and 16..31 at hi + (same), so
-// lanes reading consecutive blocks read consecutive 16-byte words (no bank
-// conflicts), and the halves pair with a Q4_0 block's low and high nibbles.
+// Quantized activation rows in shared memory, `padded` block slots per row. Block
+// b = RF_Q8_STAGE * s + h of row t sits in slot t * padded + h * (padded / RF_Q8_STAGE) + s
+// (rf_gemv_slot): lanes reading block h of consecutive stages read consecutive slots
+// (no bank conflicts). A slot keeps elements 0..15 at lo + slot * 16 and 16..31 at
+// hi + slot * 16: the halves pair with a Q4_0 block's low and high nibbles.
 struct rf_q8_rows {
     int8_t* lo;
     int8_t* hi;
-    rf_q8_meta* meta;  // [n_rows][n_blocks]
+    rf_q8_meta* meta;  // [n_rows][padded]
+    int padded;        // block slots per row: n_blocks rounded up to RF_Q8_STAGE
 };
+
+RF_DEVICE_INLINE int rf_gemv_slot(const rf_q8_rows& rows, int t, int b) {
+    return t * rows.padded + (b % RF_Q8_STAGE) * (rows.padded / RF_Q8_STAGE) + b / RF_Q8_STAGE;
+}
 
 // Max and sum over the 8 aligned lanes that share one 32-element block.
 RF_DEVICE_INLINE float rf_group8_max(float v) {
@@ -83,30 +94,30 @@ RF_DEVICE_INLINE int rf_group8_sum(int v) {
 }
 
 RF_DEVICE_INLINE float rf_sum_squares(const rf_f32x4& v) {
-    return v.v[0] * v.v[0] + v.v[1] * v.v[1] + v.v[2] * v.v[2] + v.v[3] * v.v[3];
+    return rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
 }
 
 // 1 / rms of row t from the per-warp partial sums of squares.
-RF_DEVICE_INLINE float rf_inv_rms(const float* scratch, int t, int k, float eps) {
+RF_DEVICE_INLINE float rf_gemv_inv_rms(const float* scratch, int t, int k, float eps) {
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < RF_GEMV_WARPS; ++w) {
         total += scratch[t * RF_GEMV_WARPS + w];
     }
-    return 1.0f / sqrtf(total / (float)k + eps);
+    return rf_inv_rms(total, k, eps);
 }
 
 // Quantize four consecutive elements (flat float4 index i of the activation,
 // row t, column col) as one eighth of their 32-block. Every lane of the warp
 // must call this together (it shuffles); inactive lanes pass active = false.
-RF_DEVICE_INLINE void rf_quantize4(rf_f32x4 v, bool active, int t, int col, int n_blocks,
+RF_DEVICE_INLINE void rf_quantize4(rf_f32x4 v, bool active, int t, int col,
                                    const float* RF_RESTRICT gain, float inv_rms,
                                    rf_q8_rows rows) {
     if (active && gain != nullptr) {
         const rf_f32x4 g = *(const rf_f32x4*)(gain + col);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            v.v[e] = v.v[e] * inv_rms * g.v[e];
+            v.v[e] = rf_normalize(v.v[e], inv_rms, g.v[e]);
         }
     }
     float amax = 0.0f;
@@ -115,19 +126,19 @@ RF_DEVICE_INLINE void rf_quantize4(rf_f32x4 v, bool active, int t, int col, int 
         amax = fmaxf(amax, fabsf(v.v[e]));
     }
     amax = rf_group8_max(amax);  // inactive lanes hold zeros and sit in whole groups
-    const float d = amax / 127.0f;
+    const float d = rf_q8_scale(amax);
     uint32_t packed = 0;
     int sum = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        const int q = amax == 0.0f ? 0 : (int)roundf(v.v[e] / d);
+        const int q = rf_q8_round(v.v[e], amax, d);
         packed |= ((uint32_t)q & 0xFFu) << (8 * e);
         sum += q;
     }
     sum = rf_group8_sum(sum);
     if (active) {
-        const int b = col / RF_QK, e = col % RF_QK;
-        const int blk = t * n_blocks + b;
+        const int e = col % RF_QK;
+        const int blk = rf_gemv_slot(rows, t, col / RF_QK);
         int8_t* half = e < 16 ? rows.lo : rows.hi;
         *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
         if (e == 0) {
@@ -145,7 +156,6 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
                                        const float* RF_RESTRICT gain, float eps,
                                        rf_q8_rows rows, float* scratch) {
     const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
-    const int n_blocks = k / RF_QK;
     const int k4 = k / 4;
     const rf_f32x4* x4 = (const rf_f32x4*)x;
     if ((RCAP == 1 || n_rows == 1) && k4 <= RF_GEMV_X_REGS * RF_GEMV_THREADS) {
@@ -171,14 +181,14 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
                 scratch[warp] = ss;
             }
             __syncthreads();
-            inv_rms = rf_inv_rms(scratch, 0, k, eps);
+            inv_rms = rf_gemv_inv_rms(scratch, 0, k, eps);
         }
 #pragma unroll
         for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
             const int base = p * RF_GEMV_THREADS + warp * RF_WARP_SIZE;
             if (base < k4) {  // warp-uniform
                 const int i = base + lane;
-                rf_quantize4(v[p], i < k4, 0, i * 4, n_blocks, gain, inv_rms, rows);
+                rf_quantize4(v[p], i < k4, 0, i * 4, gain, inv_rms, rows);
             }
         }
         __syncthreads();
@@ -210,17 +220,17 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
             col = (i - t * k4) * 4;
             v = x4[i];
             if (gain != nullptr && t != cached_t) {
-                inv_rms = rf_inv_rms(scratch, t, k, eps);
+                inv_rms = rf_gemv_inv_rms(scratch, t, k, eps);
                 cached_t = t;
             }
         }
-        rf_quantize4(v, active, t, col, n_blocks, gain, inv_rms, rows);
+        rf_quantize4(v, active, t, col, gain, inv_rms, rows);
     }
     __syncthreads();
 }
 
-// Integer dot of one weight block with one q8 activation block (halves xl, xh),
-// returning w_d * (integer dot, minus the Q4_0 offset 8 * sum(q)).
+// Integer dot of one weight block (as signed values) with one q8 activation block
+// (halves xl, xh): Q4_0 subtracts the offset 8 * sum(q) from the nibbles' dot.
 struct rf_q4_0_format {
     static constexpr int block_bytes = 16;
     struct raw {
@@ -235,15 +245,15 @@ struct rf_q4_0_format {
             w.q.v[i] = 0u;
         }
     }
-    static RF_GEMV_MEMBER float dot(const raw& w, float w_d, const rf_u32x4& xl,
-                                      const rf_u32x4& xh, int x_sum) {
+    static RF_GEMV_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
+                                    int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             acc = rf_dp4a((int)(w.q.v[i] & 0x0F0F0F0Fu), (int)xl.v[i], acc);
             acc = rf_dp4a((int)((w.q.v[i] >> 4) & 0x0F0F0F0Fu), (int)xh.v[i], acc);
         }
-        return w_d * (float)(acc - 8 * x_sum);
+        return acc - 8 * x_sum;
     }
 };
 
@@ -263,8 +273,8 @@ struct rf_q8_0_format {
             w.hi.v[i] = 0u;
         }
     }
-    static RF_GEMV_MEMBER float dot(const raw& w, float w_d, const rf_u32x4& xl,
-                                      const rf_u32x4& xh, int x_sum) {
+    static RF_GEMV_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
+                                    int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -272,9 +282,16 @@ struct rf_q8_0_format {
             acc = rf_dp4a((int)w.hi.v[i], (int)xh.v[i], acc);
         }
         (void)x_sum;
-        return w_d * (float)acc;
+        return acc;
     }
 };
+
+// Block u of lane `lane` in chunk c: stage (c * RF_GEMV_STAGES_PER_LANE + u / RF_Q8_STAGE)
+// * WARP + lane, its block u % RF_Q8_STAGE.
+RF_DEVICE_INLINE int rf_gemv_block(int c, int u, int lane) {
+    const int stage = (c * RF_GEMV_STAGES_PER_LANE + u / RF_Q8_STAGE) * RF_WARP_SIZE + lane;
+    return stage * RF_Q8_STAGE + u % RF_Q8_STAGE;
+}
 
 // Weight rows and blocks one lane holds in registers: NW rows x RF_GEMV_UNROLL blocks.
 template <typename Format, int NO, bool SWIGLU>
@@ -283,8 +300,8 @@ struct rf_weight_chunk {
     typename Format::raw q[NW][RF_GEMV_UNROLL];
     float d[NW][RF_GEMV_UNROLL];
 
-    // Load chunk c of row group g: block c * WARP * UNROLL + u * WARP + lane of each
-    // row (zeros past the row's end or past n).
+    // Load chunk c of row group g: blocks rf_gemv_block(c, u, lane) of each row (zeros
+    // past the row's end or past n).
     RF_GEMV_MEMBER void load(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                                int n, int n_blocks, int g, int c, int lane) {
 #pragma unroll
@@ -294,7 +311,7 @@ struct rf_weight_chunk {
             const int64_t row_block = (int64_t)row * n_blocks;
 #pragma unroll
             for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
-                const int b = (c * RF_GEMV_UNROLL + u) * RF_WARP_SIZE + lane;
+                const int b = rf_gemv_block(c, u, lane);
                 if (out_row < n && b < n_blocks) {
                     Format::load(q[j][u], w_qs + (row_block + b) * Format::block_bytes);
                     d[j][u] = rf_half_to_float(w_d[row_block + b]);
@@ -307,19 +324,23 @@ struct rf_weight_chunk {
     }
 };
 
-template <typename Format, int NO, bool SWIGLU, int RCAP>
+template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
                               const float* RF_RESTRICT gain, float eps, int epilogue,
-                              const float* residual, float* out) {
+                              const float* residual, float* out, const rf_rope_out& rope) {
+    static_assert(!ROPE || (NO % 2 == 0 && !SWIGLU), "RoPE takes (even, odd) row pairs");
     constexpr int NW = SWIGLU ? 2 * NO : NO;
+    constexpr int SPL = RF_GEMV_STAGES_PER_LANE;
     extern __shared__ __align__(16) uint8_t rf_shared[];
     const int n_blocks = k / RF_QK;
+    const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
     rf_q8_rows rows;
+    rows.padded = n_stages * RF_Q8_STAGE;
     rows.lo = (int8_t*)rf_shared;
-    rows.hi = rows.lo + n_rows * n_blocks * 16;
-    rows.meta = (rf_q8_meta*)(rf_shared + n_rows * k);
-    float* scratch = (float*)(rows.meta + n_rows * n_blocks);
+    rows.hi = rows.lo + n_rows * rows.padded * 16;
+    rows.meta = (rf_q8_meta*)(rf_shared + n_rows * rows.padded * RF_QK);
+    float* scratch = (float*)(rows.meta + n_rows * rows.padded);
 
     const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
     const int n_groups = (n + NO - 1) / NO;
@@ -335,34 +356,63 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
 
     for (; g < n_groups; g += stride) {
-        float acc[NW][RCAP];
+        float total[NW][RCAP];
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
 #pragma unroll
             for (int t = 0; t < RCAP; ++t) {
-                acc[j][t] = 0.0f;
+                total[j][t] = 0.0f;
             }
         }
         for (int c = 0; c < n_chunks; ++c) {
             if (c > 0) {
                 w.load(w_qs, w_d, n, n_blocks, g, c, lane);
             }
+            // This lane's stage sums of the chunk (zero for stages past the row).
+            float part[NW][RCAP][SPL];
+#pragma unroll
+            for (int j = 0; j < NW; ++j) {
+#pragma unroll
+                for (int t = 0; t < RCAP; ++t) {
+#pragma unroll
+                    for (int st = 0; st < SPL; ++st) {
+                        part[j][t][st] = 0.0f;
+                    }
+                }
+            }
 #pragma unroll
             for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
-                const int b = (c * RF_GEMV_UNROLL + u) * RF_WARP_SIZE + lane;
+                const int b = rf_gemv_block(c, u, lane);
                 if (b < n_blocks) {
 #pragma unroll
                     for (int t = 0; t < RCAP; ++t) {
                         if (t < n_rows) {
-                            const int xb = t * n_blocks + b;
-                            const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + xb * 16);
-                            const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + xb * 16);
-                            const rf_q8_meta m = rows.meta[xb];
+                            const int slot = rf_gemv_slot(rows, t, b);
+                            const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + slot * 16);
+                            const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + slot * 16);
+                            const rf_q8_meta m = rows.meta[slot];
 #pragma unroll
                             for (int j = 0; j < NW; ++j) {
-                                acc[j][t] +=
-                                    m.d * Format::dot(w.q[j][u], w.d[j][u], xl, xh, m.sum);
+                                float& p = part[j][t][u / RF_Q8_STAGE];
+                                const int dot = Format::dot(w.q[j][u], xl, xh, m.sum);
+                                p = rf_q8_stage_add(p, w.d[j][u], m.d, (float)dot);
                             }
+                        }
+                    }
+                }
+            }
+            // Fold the chunk's stages into the totals, in stage order: stage
+            // (c * SPL + st) * WARP + l sits in lane l.
+#pragma unroll
+            for (int st = 0; st < SPL; ++st) {
+                const int count = min(RF_WARP_SIZE, n_stages - (c * SPL + st) * RF_WARP_SIZE);
+#pragma unroll 8
+                for (int l = 0; l < count; ++l) {
+#pragma unroll
+                    for (int j = 0; j < NW; ++j) {
+#pragma unroll
+                        for (int t = 0; t < RCAP; ++t) {
+                            total[j][t] += rf_shfl(part[j][t][st], l, RF_WARP_SIZE);
                         }
                     }
                 }
@@ -372,14 +422,17 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         if (g + stride < n_groups) {
             w.load(w_qs, w_d, n, n_blocks, g + stride, 0, lane);  // next group's first chunk
         }
+        if (ROPE && lane == 0) {  // q, k, v of each (even, odd) pair of rows
 #pragma unroll
-        for (int j = 0; j < NW; ++j) {
+            for (int j = 0; j < NO; j += 2) {
 #pragma unroll
-            for (int t = 0; t < RCAP; ++t) {
-                acc[j][t] = rf_warp_sum(acc[j][t]);
+                for (int t = 0; t < RCAP; ++t) {
+                    if (t < n_rows && first_row + j < n) {
+                        rf_rope_store(rope, t, first_row + j, total[j][t], total[j + 1][t]);
+                    }
+                }
             }
-        }
-        if (lane == 0) {
+        } else if (lane == 0) {
 #pragma unroll
             for (int j = 0; j < NO; ++j) {
                 const int row = first_row + j;
@@ -387,9 +440,9 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                 for (int t = 0; t < RCAP; ++t) {
                     if (t < n_rows && row < n) {
                         const int64_t o = (int64_t)t * n + row;
-                        float y = acc[j][t];
+                        float y = total[j][t];
                         if (SWIGLU) {
-                            y = y / (1.0f + expf(-y)) * acc[NW - NO + j][t];
+                            y = y / (1.0f + expf(-y)) * total[NW - NO + j][t];
                         } else if (epilogue == RF_EPILOGUE_RESIDUAL) {
                             y += residual[o];
                         }
@@ -407,7 +460,21 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         int epilogue, const float *residual, float *out
 #define RF_GEMV_CALL(format, no, swiglu, rcap)                                                \
     rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, gain, eps, epilogue, residual, \
-                                      out)
+                                      out, rf_rope_out{})
+
+// The QKV GEMV with RoPE + KV-append in its epilogue (rf_rope.h): q to q_out, k and v
+// into the KV pool at each token's slot and position (step state).
+#define RF_GEMV_ROPE_PARAMS                                                              \
+    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
+        const float *RF_RESTRICT x, int n_rows, const float *RF_RESTRICT gain, float eps, \
+        const int32_t *positions, const int32_t *slots, const float *cos_table,          \
+        const float *sin_table, float *q_out, uint16_t *k_cache, uint16_t *v_cache,      \
+        int q_dim, int kv_dim, int head_dim, int rope_dims, int n_ctx
+#define RF_GEMV_ROPE_CALL(format, no, rcap)                                                      \
+    rf_gemv<format, no, false, rcap, true>(                                                      \
+        w_qs, w_d, n, k, x, n_rows, gain, eps, RF_EPILOGUE_STORE, nullptr, nullptr,              \
+        rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
+                    head_dim, rope_dims, n_ctx})
 
 // Q4_0, one activation row (decode).
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1(RF_GEMV_PARAMS) {
@@ -431,6 +498,16 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1(RF_GEMV_PARAMS) {
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q4_0_format, 1, true, RF_GEMV_MAX_ROWS);
+}
+// Q4_0 with RoPE + KV-append: one activation row, or up to RF_GEMV_MAX_ROWS.
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_rope(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS);
 }
 // Q8_0.
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1(RF_GEMV_PARAMS) {

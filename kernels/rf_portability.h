@@ -73,6 +73,14 @@ RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {
 RF_DEVICE_INLINE float rf_int_as_float(int v) {
     return __builtin_bit_cast(float, v);
 }
+RF_DEVICE_INLINE int rf_float_as_int(float v) {
+    return __builtin_bit_cast(int, v);
+}
+
+// Idle the calling wave for a few microseconds (polling loops).
+RF_DEVICE_INLINE void rf_sleep_briefly() {
+    __builtin_amdgcn_s_sleep(127);
+}
 
 // No int8 matrix instruction is used on AMD yet: rf_mma_s8_m16n8k32 below is
 // emulated with shuffles and dp4a (MFMA/WMMA versions are future work).
@@ -139,6 +147,14 @@ RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {
 RF_DEVICE_INLINE float rf_int_as_float(int v) {
     return __int_as_float(v);
 }
+RF_DEVICE_INLINE int rf_float_as_int(float v) {
+    return __float_as_int(v);
+}
+
+// Idle the calling warp for a few microseconds (polling loops).
+RF_DEVICE_INLINE void rf_sleep_briefly() {
+    __nanosleep(2000);
+}
 
 // c += A * B on the int8 tensor cores (sm_80+), over one warp: see
 // rf_mma_s8_m16n8k32 below for the fragment layout.
@@ -176,6 +192,9 @@ RF_DEVICE_INLINE int rf_warp_sum(int v) {
         v += rf_shfl_xor(v, offset);
     }
     return v;
+}
+RF_DEVICE_INLINE float rf_shfl(float v, int src_lane, int width) {
+    return rf_int_as_float(rf_shfl(rf_float_as_int(v), src_lane, width));
 }
 RF_DEVICE_INLINE float rf_warp_max(float v) {
 #pragma unroll

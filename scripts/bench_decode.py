@@ -13,38 +13,14 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.sampling import SamplingParams
+from rocforge_rt.profiling.workloads import decode_tokens_per_s, prompt_tokens_per_s
 
 MODES = ("per-kernel-sync", "deferred", "graph")
-
-
-def decode_tokens_per_s(engine: Engine, n_decode: int, rng: np.random.Generator) -> float:
-    prompt = [int(rng.integers(0, engine.hparams.n_vocab))]
-    session = engine.open_session(prompt, sampling=SamplingParams(), max_tokens=n_decode + 1)
-    engine.prefill(session)
-    session.eog_ids = frozenset()  # random-weight models may sample EOS: keep going
-    start = time.perf_counter()
-    for _ in range(n_decode):
-        engine.decode([session])
-    elapsed = time.perf_counter() - start
-    engine.close_session(session)
-    return n_decode / elapsed
-
-
-def prompt_tokens_per_s(engine: Engine, n_prompt: int, rng: np.random.Generator) -> float:
-    prompt = rng.integers(0, engine.hparams.n_vocab, n_prompt).tolist()
-    session = engine.open_session(prompt, max_tokens=1)
-    start = time.perf_counter()
-    engine.prefill(session)
-    elapsed = time.perf_counter() - start
-    engine.close_session(session)
-    return n_prompt / elapsed
 
 
 def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:

@@ -22,21 +22,26 @@ import pytest
 import zmq
 
 from clients.rocforge_client import (
+    BadRequest,
     Busy,
+    ClientError,
     ContextFull,
     LimitExceeded,
     SessionBusy,
+    ShuttingDown,
     Timeout,
     TurnFinished,
     UnknownSession,
     connect,
 )
 from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.forward import LAYER_OPS
 from rocforge_rt.profiling.latency import distribution
-from rocforge_rt.server.daemon import Daemon, DaemonConfig, ServerError
+from rocforge_rt.server.daemon import Daemon, DaemonConfig, ServerError, State
 from rocforge_rt.server.security import SecurityError, generate_keys
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
+OPS_PER_TINY_STEP = 1 + 2 * len(LAYER_OPS) + 1  # embed, two layers, LM head
 OTHER_PROMPT = [200, 201, 202, 203, 204, 205]
 LONG_PROMPT = list(range(1, 49))  # 12 prefill chunks of 4
 TINY = {
@@ -449,6 +454,18 @@ def test_an_engine_failure_fails_its_request_only(tiny_model: Path) -> None:
         assert client.health()["sessions"] == 1
 
 
+def test_a_bug_in_a_request_handler_fails_that_request_only(daemon: Daemon, client) -> None:
+    def broken(_request: Any) -> dict[str, Any]:
+        raise KeyError("a bug")
+
+    daemon._info = broken  # the I/O thread looks handlers up per request
+    with pytest.raises(ClientError, match="KeyError") as info:
+        client.info()
+    assert info.value.code == "internal"
+    assert client.health()["ready"] is True
+    assert len(token_ids(client.generate(tokens=PROMPT, max_tokens=3))) == 3
+
+
 # --- malformed input ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("payload", "code"),
@@ -501,8 +518,8 @@ def test_stats_has_latency_percentiles_op_table_and_records(client) -> None:
     assert latency["itl_ms"]["n"] == 3
     assert set(latency["e2e_ms"]) == {"n", "mean", "max", "p50", "p90", "p99"}
     ops = {row["op"] for row in stats["overhead"]["ops"]}
-    assert {"embed", "norm_matmul", "attention", "matmul_add", "lm_head"} <= ops
-    assert stats["overhead"]["steps"]["decode"]["ops_per_step"] == 2 * 6 + 2
+    assert {"embed", "norm_qkv_rope", "attention", "matmul_add", "lm_head"} <= ops
+    assert stats["overhead"]["steps"]["decode"]["ops_per_step"] == OPS_PER_TINY_STEP
     assert stats["records"][0]["op"] == "generate"
     assert stats["recommendations"]
     assert client.stats(reset=True)["latency"]["requests"] == 1
@@ -522,7 +539,16 @@ def test_trace_is_chrome_trace_json_of_recent_steps(client) -> None:
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
     ops = [e for e in trace["traceEvents"] if e.get("cat") == "op"]
     assert [e["name"] for e in steps] == ["decode step", "decode step"]
-    assert len(ops) == 2 * 14 and all(e["ph"] == "X" and e["dur"] >= 0 for e in ops)
+    assert len(ops) == 2 * OPS_PER_TINY_STEP and all(e["ph"] == "X" and e["dur"] >= 0 for e in ops)
+
+
+def test_profiling_switches_answer_that_the_cpu_backend_has_none(client) -> None:
+    state = client.profile(launches=True, kernels=True, every=4)
+    assert {k: state[k] for k in ("available", "launches", "kernels")} == {
+        "available": False, "launches": False, "kernels": False,
+    }  # fmt: skip
+    with pytest.raises(BadRequest, match="every"):
+        client.profile(every=0)
 
 
 # --- start-up and security ----------------------------------------------------------------------
@@ -560,7 +586,25 @@ def test_curve_keys_admit_only_clients_with_keys(tiny_model: Path, tmp_path: Pat
             stranger.health()
 
 
-def test_sigterm_finishes_in_flight_replies_and_exits_0(tiny_model: Path) -> None:
+def test_stopping_cuts_requests_in_flight_and_refuses_new_ones(tiny_model: Path) -> None:
+    with (
+        serving(tiny_model, slow(0.05)) as daemon,
+        connect(daemon.endpoint, timeout=20) as client,
+        connect(daemon.endpoint) as other,
+    ):
+        stream = client.generate(tokens=PROMPT, max_tokens=40)
+        next(stream)
+        daemon.stop()  # what SIGTERM and SIGINT do
+        wait_for(lambda: daemon.state is State.DRAINING)
+        with pytest.raises(ShuttingDown):
+            other.info()
+        assert other.health()["state"] == "draining"
+        last = list(stream)[-1]
+        assert (last.done, last.finish_reason, last.abort_reason) == (True, "abort", "shutdown")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_in_flight_replies_and_exits_0(tiny_model: Path, signum) -> None:
     from rocforge_rt.server.cli_commands import free_loopback_port
 
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"
@@ -577,11 +621,11 @@ def test_sigterm_finishes_in_flight_replies_and_exits_0(tiny_model: Path) -> Non
             client.wait_ready(30)
             stream = client.generate(tokens=PROMPT, max_tokens=250)
             next(stream)
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
             last = list(stream)[-1]
             assert last.done and last.finish_reason in ("abort", "length")
         assert process.wait(10) == 0
-        assert "SIGTERM received" in process.stderr.read()
+        assert f"{signal.Signals(signum).name} received" in process.stderr.read()
     finally:
         process.kill()
         process.wait()

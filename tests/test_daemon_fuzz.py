@@ -76,6 +76,9 @@ VALID = {
     "reset": st.booleans(),
     "records": st.integers(0, 5),
     "steps": st.integers(1, 10),
+    "launches": st.booleans(),
+    "kernels": st.booleans(),
+    "every": st.integers(1, 64),
 }
 
 

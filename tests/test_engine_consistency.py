@@ -81,6 +81,19 @@ def test_token_ids_outside_the_vocabulary_are_rejected(engine):
         engine.open_session([1, 2, engine.hparams.n_vocab])
 
 
+def test_sampling_an_end_of_generation_id_ends_the_turn_with_stop_token(engine):
+    tokens = greedy_tokens(engine, PROMPT, 6)
+    stop = tokens[2]
+    session = engine.open_session(PROMPT, max_tokens=6)
+    session.eog_ids = frozenset({stop})  # as the GGUF's <|im_end|> is for the default model
+    events = [engine.prefill(session)]
+    while not session.finished:
+        events.extend(engine.decode([session]))
+    assert [e.token for e in events] == tokens[: tokens.index(stop) + 1]
+    assert events[-1].finish_reason is FinishReason.STOP_TOKEN
+    assert all(e.finish_reason is None for e in events[:-1])
+
+
 def test_another_turn_continues_the_same_cache(engine):
     session = engine.open_session(PROMPT[:5], max_tokens=1)
     first = engine.prefill(session)

@@ -35,7 +35,17 @@ def test_error_codes_are_the_documented_strings() -> None:
 def test_every_op_of_the_design_is_known() -> None:
     assert set(OPS) == {
         "info", "open", "step", "generate", "append", "abort", "close", "stats", "trace", "health",
+        "profile",
     }  # fmt: skip
+
+
+def test_profile_takes_switches_and_a_sampling_period() -> None:
+    request = parse_request({"op": "profile", "launches": True, "kernels": False, "every": 8})
+    assert (request.launches, request.kernels, request.every) == (True, False, 8)
+    assert parse_request({"op": "profile"}).launches is None
+    for bad in ({"launches": 1}, {"every": 0}, {"every": True}):
+        with pytest.raises(ProtocolError, match="field"):
+            parse_request({"op": "profile", **bad})
 
 
 def test_open_with_text_sampling_and_stop_strings() -> None:

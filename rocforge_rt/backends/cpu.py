@@ -105,6 +105,12 @@ class CpuBackend:
     def norm_matmul(self, x: np.ndarray, norm: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return self._matmul(rms_normalize(x, norm, self.hparams.rms_eps), weight)
 
+    def norm_qkv_rope(
+        self, x: np.ndarray, norm: np.ndarray, weight: np.ndarray, layer: int, batch: StepBatch
+    ) -> np.ndarray:
+        """q of the normalized QKV projection, rotated; k and v rotated into the KV pool."""
+        return self.rope_kv_append(self.norm_matmul(x, norm, weight), layer, batch)
+
     def rope_kv_append(self, qkv: np.ndarray, layer: int, batch: StepBatch) -> np.ndarray:
         hp = self.hparams
         n = qkv.shape[0]

@@ -16,8 +16,7 @@ from rocforge_rt.model.gguf_file import ModelFile
 
 # Per layer, in order: the launches a decode step makes (DESIGN.md, launch budget).
 LAYER_OPS = (
-    "norm_matmul",  # RMSNorm folded into the fused Q|K|V GEMV
-    "rope_kv_append",  # rotate q and k, write k and v into the KV pool
+    "norm_qkv_rope",  # RMSNorm folded into the fused Q|K|V GEMV; RoPE + KV-append in its epilogue
     "attention",  # grouped-query attention over the slot's cache
     "matmul_add",  # O projection + residual
     "norm_gate_up_swiglu",  # RMSNorm folded into the fused gate|up GEMV, SwiGLU epilogue
@@ -77,8 +76,9 @@ class ForwardOps(Protocol):
     """The ops of one forward pass; activations are whatever the backend passes between them."""
 
     def embed(self, table: Any, batch: StepBatch) -> Any: ...
-    def norm_matmul(self, x: Any, norm: Any, weight: Any) -> Any: ...
-    def rope_kv_append(self, qkv: Any, layer: int, batch: StepBatch) -> Any: ...
+    def norm_qkv_rope(
+        self, x: Any, norm: Any, weight: Any, layer: int, batch: StepBatch
+    ) -> Any: ...
     def attention(self, q: Any, layer: int, batch: StepBatch) -> Any: ...
     def matmul_add(self, x: Any, weight: Any, residual: Any) -> Any: ...
     def norm_gate_up_swiglu(self, x: Any, norm: Any, weight: Any) -> Any: ...
@@ -118,8 +118,7 @@ def forward(ops: ForwardOps, weights: ModelWeights, batch: StepBatch) -> Any:
     """Run every layer over the batch; return the logits of `batch.logit_rows`."""
     x = ops.embed(weights.token_embd, batch)
     for index, layer in enumerate(weights.layers):
-        qkv = ops.norm_matmul(x, layer.attn_norm, layer.wqkv)
-        q = ops.rope_kv_append(qkv, index, batch)
+        q = ops.norm_qkv_rope(x, layer.attn_norm, layer.wqkv, index, batch)
         attn = ops.attention(q, index, batch)
         x = ops.matmul_add(attn, layer.wo, x)
         h = ops.norm_gate_up_swiglu(x, layer.ffn_norm, layer.wgate_up)

@@ -9,21 +9,21 @@ On the CPU backend an op's host time is its numpy compute; on a GPU backend it
 is the launch cost (in graph mode ops run only while a step graph is captured:
 replayed steps make no op calls). A step's time covers all the engine thread's
 work in it, sampling and replies included. GPU backends report what the host
-cannot see (arg-cache hits, syncs, graph replay) through an optional
-`backend.runtime_stats()`; `recommend` reads these keys of it when present:
-`launches_per_step`, `arg_cache_hits`, `arg_cache_misses`, `syncs_per_step`,
-`graph_replay`.
+cannot see (arg-cache hits, syncs, graph replay, per-kernel launch and GPU
+times) through an optional `backend.runtime_stats()`; `recommendations.py`
+reads both.
 """
 
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-HOST_BUDGET_US_PER_TOKEN = 40.0  # DESIGN.md: what is left per token at 2x llama.cpp
+from rocforge_rt.profiling.recent import Recent
+
 RECENT_DURATIONS = 10_000  # step durations kept for the median
 
 
@@ -65,7 +65,7 @@ class OpTimer:
         self._lock = threading.Lock()
         self._ops_totals: dict[str, _OpTotals] = {}
         self._step_totals: dict[str, _StepTotals] = {}
-        self._recent: deque[StepRecord] = deque(maxlen=keep_steps)
+        self._recent: Recent[StepRecord] = Recent(keep_steps)
         self._current: list[tuple[str, int, int]] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -115,7 +115,7 @@ class OpTimer:
                 totals.tokens += n_tokens
                 totals.seqs += n_seqs
                 totals.durations_ns.append(end - start)
-                self._recent.append(record)
+            self._recent.append(record)
 
     def _add_op(self, name: str, _start: int, duration: int) -> None:
         totals = self._ops_totals.setdefault(name, _OpTotals())
@@ -125,15 +125,13 @@ class OpTimer:
 
     def recent_steps(self, n: int | None = None) -> list[StepRecord]:
         """The last n steps (all kept when None), oldest first."""
-        with self._lock:
-            steps = list(self._recent)
-        return steps[-n:] if n else steps
+        return self._recent.last(n)
 
     def reset(self) -> None:
+        self._recent.clear()
         with self._lock:
             self._ops_totals.clear()
             self._step_totals.clear()
-            self._recent.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """The op table (host time per op name) and per-kind step figures."""
@@ -177,50 +175,3 @@ class OpTimer:
                 "host_us_per_token": total / tokens / 1e3 if tokens else 0.0,
             }
         return {"ops": table, "steps": step_table}
-
-
-def recommend(overhead: Mapping[str, Any], runtime: Mapping[str, Any] | None) -> list[str]:
-    """Plain-language hints from the op table and a GPU backend's runtime stats."""
-    hints = []
-    decode = overhead.get("steps", {}).get("decode")
-    if runtime is None:
-        hints.append(
-            "CPU backend: op times are numpy compute, not launch overhead; a GPU backend adds "
-            "launch cost, arg-cache hits and syncs per step to these stats"
-        )
-    else:
-        syncs = runtime.get("syncs_per_step")
-        if syncs is not None and syncs > 1:
-            hints.append(
-                f"{syncs:.1f} syncs per step: defer synchronization to one per step "
-                "(read back only the sampled tokens)"
-            )
-        hits, misses = runtime.get("arg_cache_hits", 0), runtime.get("arg_cache_misses", 0)
-        if hits + misses >= 100 and hits / (hits + misses) < 0.9:
-            hints.append(
-                f"arg-cache hit rate {hits / (hits + misses):.0%}: arguments change between "
-                "steps; keep per-step values in the device step-state buffer"
-            )
-        launches = runtime.get("launches_per_step")
-        if runtime.get("graph_replay") is False and launches is not None and launches > 20:
-            hints.append(
-                f"{launches:.0f} launches per step without graph replay: capture the step plan "
-                "into a graph and replay it"
-            )
-    if decode is None:
-        hints.append("no decode steps recorded yet: run some requests, then ask again")
-        return hints
-    # On a GPU the time outside the ops includes the device's (the sync, a graph replay).
-    other = decode["other_host_us_per_step"] / max(decode["mean_batch"], 1.0)
-    if runtime is None and other > HOST_BUDGET_US_PER_TOKEN:
-        hints.append(
-            f"{other:.0f} us of host time per token outside the ops (sampling, readback, "
-            f"detokenization, replies) is over the ~{HOST_BUDGET_US_PER_TOKEN:.0f} us budget"
-        )
-    table = overhead.get("ops", [])
-    if table and table[0]["share"] >= 0.5:
-        hints.append(
-            f"op {table[0]['op']!r} takes {table[0]['share']:.0%} of op time: "
-            "the first target for kernel work or fusion"
-        )
-    return hints

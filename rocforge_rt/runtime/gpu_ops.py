@@ -21,22 +21,29 @@ from rocforge_rt.engine.rope import rope_tables
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
+from rocforge_rt.profiling.kernel_timer import KernelTimer
+from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.runtime.graph import StepGraph
 from rocforge_rt.runtime.kernel_library import KernelLibrary
 from rocforge_rt.runtime.launch import ARG_CACHE_STATS, LaunchHandle
 
 QK = 32  # elements per quant block
+Q8_STAGE = 2  # blocks per stage of the canonical matmul sum (kernels/rf_q8.h RF_Q8_STAGE)
 GEMV_THREADS = 256
 GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes (kernels/gemv.hip)
 GEMV_SHARED_LIMIT = 48 * 1024  # portable without opt-in (AMD LDS is 64 KiB)
-# Output rows one warp computes together, per (format, SwiGLU), for one activation row:
-# the rf_gemv_<fmt>_b1_n<NO>[_swiglu] kernels; more activation rows take the b8_n1 ones.
+# Output rows one warp computes together, per (format, variant), for one activation row:
+# the rf_gemv_<fmt>_b1_n<NO><variant> kernels; more activation rows take the
+# rf_gemv_<fmt>_b8_n<NO><variant> ones, NO from GEMV_MULTI_ROW_NO. The variants: plain
+# (store or add the residual), _swiglu, and _rope (the QKV projection: RoPE + KV-append).
 GEMV_ROWS_PER_WARP = {
-    ("q4_0", False): (1, 2, 4),
-    ("q4_0", True): (1, 2),
-    ("q8_0", False): (1, 2),
-    ("q8_0", True): (1,),
+    ("q4_0", ""): (1, 2, 4),
+    ("q4_0", "_swiglu"): (1, 2),
+    ("q4_0", "_rope"): (2, 4),
+    ("q8_0", ""): (1, 2),
+    ("q8_0", "_swiglu"): (1,),
 }
+GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
 GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
 EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
@@ -44,14 +51,24 @@ EMBED_THREADS = 256
 ROPE_THREADS = 256
 ATTN_THREADS = 128
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 8, 128
-ARGMAX_THREADS = 1024
+ARGMAX_THREADS = 256
+ARGMAX_SLICE = 2048  # vocabulary entries per argmax block (kernels/sampling.hip)
+ARGMAX_PART_BYTES = 12  # (max, index, sum) per slice
 
 GEMV_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32", "i32", "ptr", "ptr")
+GEMV_ROPE_ARGS = GEMV_ARGS[:8] + ("ptr",) * 7 + ("i32",) * 5
 EMBED_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr")
 ROPE_ARGS = ("ptr",) * 8 + ("i32",) * 6
 ATTN_ARGS = ("ptr",) * 5 + ("i32",) * 4 + ("f32", "i32", "ptr", "ptr", "ptr")
-ARGMAX_ARGS = ("ptr", "i32", "ptr", "ptr", "ptr", "ptr")
+ARGMAX_ARGS = ("ptr", "i32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
 STEP_MODES = ("per-kernel-sync", "deferred", "graph")
+GATE_ARGS = ("ptr", "u32", "u32")
+GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
+# Prefill GEMM (kernels/gemm.hip): more than GEMV_MAX_ROWS activation rows take it.
+GEMM_THREADS, GEMM_TILE_N, GEMM_TILE_M = 128, 128, 64  # SwiGLU tiles hold TILE_N / 2 outputs
+Q8_ROWS_THREADS = 256
+GEMM_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "ptr", "i32", "i32", "ptr", "ptr")
+Q8_ROWS_ARGS = ("ptr", "i32", "ptr", "f32", "ptr", "ptr")
 
 _BLOCK_LAYOUT = {
     # type: (bytes per GGUF block, bytes of quants per block, format name)
@@ -85,6 +102,16 @@ class Activation:
         return self.buf.ptr + self.offset
 
 
+def gemv_shared_bytes(k: int, rows: int, warp_size: int) -> int:
+    """Dynamic shared memory of a GEMV launch over `rows` activation rows of width k.
+
+    Per row: block slots (k / 32 rounded up to whole sum stages) of int8 quants and a
+    (f32 scale, i32 sum) each; then the per-warp sums of squares (kernels/gemv.hip).
+    """
+    padded_blocks = math.ceil(k // QK / Q8_STAGE) * Q8_STAGE
+    return rows * padded_blocks * (QK + 8) + GEMV_MAX_ROWS * (GEMV_THREADS // warp_size) * 4
+
+
 def repack_rows(tensors: Sequence[WeightTensor]) -> tuple[str, np.ndarray, np.ndarray]:
     """Row-stack GGUF Q4_0/Q8_0 tensors and split each block into quants and scale.
 
@@ -115,7 +142,7 @@ class GpuBackend:
         *,
         n_slots: int,
         n_ctx: int,
-        max_tokens: int = 128,
+        max_tokens: int = 512,
         mode: str = "graph",
     ) -> None:
         if mode not in STEP_MODES:
@@ -130,6 +157,11 @@ class GpuBackend:
         self.stream = driver.create_stream()
         self._functions = self._load_kernels(KernelLibrary(compiler))
         self._handles: dict[tuple, LaunchHandle] = {}
+        # Profiling, both off until enabled: host launch times, and GPU times of sampled steps.
+        self.launch_tracker = LaunchOverheadTracker()
+        self.kernel_timer = KernelTimer(driver, self.stream)
+        self._timing: KernelTimer | None = None  # the timer while a timed step is issued
+        self._gate = driver.alloc_pinned(4)  # the flag rf_hold waits on (device-readable)
         self._recording: list[LaunchHandle] | None = None  # handles launched under capture
         self._graphs: dict[int, StepGraph] = {}  # decode graphs by batch size
         self._device_state: tuple[bytes, bytes, bytes] | None = None  # what the step state holds
@@ -161,6 +193,11 @@ class GpuBackend:
         self.attn = self._zeros(max_tokens * hp.n_head * hp.head_dim_v * f32)
         self.h = self._zeros(max_tokens * hp.n_ff * f32)
         self.logits = self._zeros(max_tokens * hp.n_vocab * f32)
+        # Prefill GEMM input: activation rows quantized to int8 per block, and their scales.
+        self.gemm_max_k = max(hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim_v)
+        self.xq = self._zeros(max_tokens * self.gemm_max_k)
+        self.xq_d = self._zeros(max_tokens * (self.gemm_max_k // QK) * f32)
+        self.use_prefill_gemm = True  # False: every row count takes the GEMV (A/B runs)
         # Split-K attention scratch; counters start at zero and the kernel resets them.
         self.attn_split_len = max(QK, math.ceil(n_ctx / 16 / QK) * QK)
         self.attn_splits = math.ceil(n_ctx / self.attn_split_len)
@@ -168,6 +205,10 @@ class GpuBackend:
             max_tokens * hp.n_head * self.attn_splits * (hp.head_dim_v + 2) * f32
         )
         self.attn_counters = self._zeros(max_tokens * hp.n_head_kv * 4)
+        # Argmax slices per row, their partial results and counters (zero; the kernel resets).
+        self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
+        self.argmax_partial = self._zeros(max_tokens * self.argmax_slices * ARGMAX_PART_BYTES)
+        self.argmax_counters = self._zeros(max_tokens * 4)
         driver.synchronize()
 
     # --- set-up ------------------------------------------------------------------------
@@ -251,10 +292,17 @@ class GpuBackend:
                 shared_bytes=shared_bytes,
                 stream=self.stream,
                 arg_types=arg_types,
+                tracker=self.launch_tracker,
             )
             self._handles[key] = handle
         handle.set_args(*args)
-        handle.launch()
+        timer = self._timing
+        if timer is None:
+            handle.launch()
+        else:
+            timer.before(kernel)
+            handle.launch()
+            timer.after()
         if self._recording is not None:
             self._recording.append(handle)
         if self.mode == "per-kernel-sync":
@@ -265,63 +313,129 @@ class GpuBackend:
         matrix: DeviceMatrix,
         x: Activation,
         n_out: int,
-        out_ptr: int,
+        out_ptr: int = 0,
         *,
         gain: Any = None,
         epilogue: int = EPILOGUE_STORE,
         residual_ptr: int = 0,
+        rope_layer: int | None = None,
     ) -> None:
         """out = W x for every activation row, GEMV_MAX_ROWS (or fewer, to fit) per launch.
 
         One activation row (decode) takes the widest row group per warp that still gives
         each multiprocessor a block, and at most GEMV_MAX_BLOCKS_PER_SM blocks per
-        multiprocessor (the warps stride over the rest); several rows take b8_n1.
+        multiprocessor (the warps stride over the rest); several rows take the b8 kernels.
+        With `rope_layer`, the outputs are the Q|K|V rows of that layer: the kernel rotates
+        q into `self.q` and k, v into the layer's KV pool instead of storing to `out_ptr`.
         """
         k = matrix.k
         info = self.driver.info
         warps = GEMV_THREADS // info.warp_size
-        per_row_shared = k + (k // QK) * 8  # int8 quants + (f32 scale, i32 sum) per block
-        scratch = GEMV_MAX_ROWS * warps * 4
+        scratch = gemv_shared_bytes(k, 0, info.warp_size)
+        per_row_shared = gemv_shared_bytes(k, 1, info.warp_size) - scratch
         max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - scratch) // per_row_shared))
-        swiglu = epilogue == EPILOGUE_SWIGLU
-        suffix = "_swiglu" if swiglu else ""
+        variant = "_rope" if rope_layer is not None else ""
+        variant = "_swiglu" if epilogue == EPILOGUE_SWIGLU else variant
         gain_ptr = gain.ptr if gain is not None else 0
         for first in range(0, x.rows, max_rows):
             rows = min(max_rows, x.rows - first)
             if rows == 1:
-                choices = GEMV_ROWS_PER_WARP[(matrix.fmt, swiglu)]
+                choices = GEMV_ROWS_PER_WARP[(matrix.fmt, variant)]
                 min_blocks = GEMV_MIN_BLOCKS_PER_SM * info.multiprocessors
                 wide = [no for no in choices if math.ceil(n_out / no / warps) >= min_blocks]
                 no = max(wide, default=choices[0])
-                kernel = f"rf_gemv_{matrix.fmt}_b1_n{no}{suffix}"
+                kernel = f"rf_gemv_{matrix.fmt}_b1_n{no}{variant}"
             else:
-                no = 1
-                kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n1{suffix}"
+                no = GEMV_MULTI_ROW_NO[variant]
+                kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             grid = (max(1, min(blocks, GEMV_MAX_BLOCKS_PER_SM * info.multiprocessors)), 1, 1)
-            shared = rows * per_row_shared + scratch
             out_offset = first * n_out * 4
+            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x.ptr + first * k * 4, rows, gain_ptr,
+                    self.hparams.rms_eps)  # fmt: skip
+            if rope_layer is None:
+                residual = residual_ptr + out_offset if residual_ptr else 0
+                arg_types, tail = GEMV_ARGS, (epilogue, residual, out_ptr + out_offset)
+            else:
+                arg_types, tail = GEMV_ROPE_ARGS, self._rope_args(rope_layer, first)
             self._launch(
-                ("gemv", matrix.qs.ptr, epilogue, first, rows, x.ptr),
+                ("gemv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
                 kernel,
-                GEMV_ARGS,
+                arg_types,
                 grid,
                 (GEMV_THREADS, 1, 1),
-                (
-                    matrix.qs.ptr,
-                    matrix.d.ptr,
-                    n_out,
-                    k,
-                    x.ptr + first * k * 4,
-                    rows,
-                    gain_ptr,
-                    self.hparams.rms_eps,
-                    epilogue,
-                    residual_ptr + out_offset if residual_ptr else 0,
-                    out_ptr + out_offset,
-                ),
-                shared,
+                head + tail,
+                gemv_shared_bytes(k, rows, info.warp_size),
             )
+
+    def _rope_args(self, layer: int, first: int) -> tuple[int, ...]:
+        """Where RoPE + KV-append (kernels/rf_rope.h) writes, from activation row `first` on."""
+        hp = self.hparams
+        return (
+            self.step_positions.ptr + first * 4,
+            self.step_slots.ptr + first * 4,
+            self.rope_cos.ptr,
+            self.rope_sin.ptr,
+            self.q.ptr + first * hp.q_dim * 4,
+            self.k_cache[layer].ptr,
+            self.v_cache[layer].ptr,
+            hp.q_dim,
+            hp.kv_dim_k,
+            hp.head_dim_k,
+            hp.rope_dims,
+            self.n_ctx,
+        )
+
+    def _gemm(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int,
+        gain: Any,
+        epilogue: int,
+        residual_ptr: int,
+    ) -> None:
+        """out = W x for many activation rows (kernels/gemm.hip), the GEMV's arithmetic.
+
+        The rows are normalized (with a gain) and quantized to q8 once, into `xq`/`xq_d`;
+        then one int8 GEMM reads every weight once per 64 rows and applies the epilogue.
+        """
+        k = matrix.k
+        if x.rows > self.max_tokens or k > self.gemm_max_k:
+            raise BackendError(
+                f"GEMM of {x.rows} rows x {k} columns exceeds the prefill buffers "
+                f"({self.max_tokens} x {self.gemm_max_k})"
+            )
+        gain_ptr = gain.ptr if gain is not None else 0
+        self._launch(
+            ("q8rows", x.ptr, x.rows, k, gain_ptr),
+            "rf_quantize_q8_rows",
+            Q8_ROWS_ARGS,
+            (x.rows, 1, 1),
+            (Q8_ROWS_THREADS, 1, 1),
+            (x.ptr, k, gain_ptr, self.hparams.rms_eps, self.xq.ptr, self.xq_d.ptr),
+        )
+        tile_n = GEMM_TILE_N // 2 if epilogue == EPILOGUE_SWIGLU else GEMM_TILE_N
+        self._launch(
+            ("gemm", matrix.qs.ptr, epilogue, x.rows, out_ptr),
+            f"rf_gemm_{matrix.fmt}",
+            GEMM_ARGS,
+            (math.ceil(x.rows / GEMM_TILE_M), math.ceil(n_out / tile_n), 1),
+            (GEMM_THREADS, 1, 1),
+            (
+                matrix.qs.ptr,
+                matrix.d.ptr,
+                n_out,
+                k,
+                self.xq.ptr,
+                self.xq_d.ptr,
+                x.rows,
+                epilogue,
+                residual_ptr,
+                out_ptr,
+            ),
+        )
 
     def load_activation(self, values: np.ndarray) -> Activation:
         """Put fp32 rows into the layer-input buffer (for op-level tests and benchmarks)."""
@@ -343,9 +457,40 @@ class GpuBackend:
         )
         return Activation(self.x, n, hp.n_embd)
 
+    def _matmul(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int,
+        *,
+        gain: Any = None,
+        epilogue: int = EPILOGUE_STORE,
+        residual_ptr: int = 0,
+    ) -> None:
+        """out = W x: the GEMV for up to GEMV_MAX_ROWS rows, the GEMM for prompt chunks."""
+        if self.use_prefill_gemm and x.rows > GEMV_MAX_ROWS:
+            self._gemm(matrix, x, n_out, out_ptr, gain, epilogue, residual_ptr)
+        else:
+            self._gemv(matrix, x, n_out, out_ptr, gain=gain, epilogue=epilogue,
+                       residual_ptr=residual_ptr)  # fmt: skip
+
     def norm_matmul(self, x: Activation, norm: Any, weight: DeviceMatrix) -> Activation:
-        self._gemv(weight, x, weight.n, self.qkv.ptr, gain=norm)
+        self._matmul(weight, x, weight.n, self.qkv.ptr, gain=norm)
         return Activation(self.qkv, x.rows, weight.n)
+
+    def norm_qkv_rope(
+        self, x: Activation, norm: Any, weight: DeviceMatrix, layer: int, batch: StepBatch
+    ) -> Activation:
+        """q of the normalized QKV projection, rotated; k and v rotated into the KV pool.
+
+        Decode rows: one GEMV whose epilogue does RoPE + KV-append; a prompt chunk: the
+        GEMM, then the rope kernel (both store through kernels/rf_rope.h).
+        """
+        if self.use_prefill_gemm and x.rows > GEMV_MAX_ROWS:
+            return self.rope_kv_append(self.norm_matmul(x, norm, weight), layer, batch)
+        self._gemv(weight, x, weight.n, gain=norm, rope_layer=layer)
+        return Activation(self.q, x.rows, self.hparams.q_dim)
 
     def rope_kv_append(self, qkv: Activation, layer: int, batch: StepBatch) -> Activation:
         hp = self.hparams
@@ -402,14 +547,14 @@ class GpuBackend:
         return Activation(self.attn, q.rows, hp.n_head * hp.head_dim_v)
 
     def matmul_add(self, x: Activation, weight: DeviceMatrix, residual: Activation) -> Activation:
-        self._gemv(
+        self._matmul(
             weight, x, weight.n, residual.ptr, epilogue=EPILOGUE_RESIDUAL, residual_ptr=residual.ptr
         )
         return residual
 
     def norm_gate_up_swiglu(self, x: Activation, norm: Any, weight: DeviceMatrix) -> Activation:
         n_ff = weight.n // 2
-        self._gemv(weight, x, n_ff, self.h.ptr, gain=norm, epilogue=EPILOGUE_SWIGLU)
+        self._matmul(weight, x, n_ff, self.h.ptr, gain=norm, epilogue=EPILOGUE_SWIGLU)
         return Activation(self.h, x.rows, n_ff)
 
     def lm_head(
@@ -422,7 +567,7 @@ class GpuBackend:
         if not np.array_equal(rows, np.arange(first, first + len(rows))):
             raise BackendError("the GPU LM head takes a contiguous range of rows")
         picked = Activation(x.buf, len(rows), x.width, x.offset + first * x.width * 4)
-        self._gemv(weight, picked, weight.n, self.logits.ptr, gain=norm)
+        self._matmul(weight, picked, weight.n, self.logits.ptr, gain=norm)
         return Activation(self.logits, len(rows), weight.n)
 
     def sample_greedy(self, logits: Activation) -> None:
@@ -433,7 +578,7 @@ class GpuBackend:
             ("argmax", logits.rows),
             "rf_argmax_advance",
             ARGMAX_ARGS,
-            (logits.rows, 1, 1),
+            (self.argmax_slices, logits.rows, 1),
             (ARGMAX_THREADS, 1, 1),
             (
                 logits.ptr,
@@ -442,6 +587,8 @@ class GpuBackend:
                 self.step_positions.ptr,
                 self.sampled.ptr,
                 self.sampled_logprob.ptr,
+                self.argmax_partial.ptr,
+                self.argmax_counters.ptr,
             ),
         )
 
@@ -470,35 +617,50 @@ class GpuBackend:
     def run_step(
         self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
     ) -> StepOutput:
-        """One step in this backend's mode; the only synchronization is the final readback."""
+        """One step in this backend's mode; the only synchronization is the final readback.
+
+        A step the kernel timer samples is issued eagerly behind a closed gate
+        (kernels/gate.hip, except in per-kernel-sync mode) and the gate opened once all
+        of it is queued, so its kernels run back to back and their events time them.
+        """
         issue_start = time.perf_counter_ns()
-        self.write_step_state(batch)
+        tracker = self.launch_tracker if self.launch_tracker.enabled else None
+        if tracker is not None:
+            tracker.begin_step(issue_start)
+        syncs_before = self.driver.counters.syncs
+        timed = self.kernel_timer.start_step(self.steps, issue_start)
+        gated = timed and self.mode != "per-kernel-sync"
         rows = len(batch.logit_rows)
         decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
-        if self.mode == "graph" and decode_shape:
-            graph = self._graphs.get(rows)
-            if graph is None:
-                graph = StepGraph(self.driver, self.stream)
-                graph.capture(lambda: self._record(run_forward))
-                self._graphs[rows] = graph
-            graph.replay()
-        else:
-            logits = run_forward()
-            self.sample_greedy(logits)
-        tokens = self._sampled_host.view(np.int32, (self.max_tokens,))
-        logprobs = self._logprob_host.view(np.float32, (self.max_tokens,))
-        if rows:
-            self.driver.copy_dtoh(self._sampled_host, self.sampled, self.stream, nbytes=rows * 4)
-            self.driver.copy_dtoh(
-                self._logprob_host, self.sampled_logprob, self.stream, nbytes=rows * 4
-            )
-            if want_logits:
-                nbytes = rows * self.hparams.n_vocab * 4
-                self.driver.copy_dtoh(self._logits_host, self.logits, self.stream, nbytes=nbytes)
+        replay_timed = False
+        if gated:
+            self._close_gate()
+        try:
+            self.write_step_state(batch)
+            if self.mode == "graph" and decode_shape and not timed:
+                replay_timed = self._replay(rows, run_forward, tracker)
+            else:
+                self._timing = self.kernel_timer if timed else None
+                try:
+                    self.sample_greedy(run_forward())
+                finally:
+                    self._timing = None
+            self._queue_readback(rows, want_logits)
+        finally:
+            if gated:
+                self._gate.view(np.uint32, 1)[0] = 1  # open: the queued step runs
+                self.kernel_timer.released(time.perf_counter_ns())
         self.host_ns += time.perf_counter_ns() - issue_start
         self.stream.synchronize()
+        if timed:
+            self.kernel_timer.finish_step()
+        if replay_timed:
+            self.kernel_timer.finish_replay()
+        if tracker is not None:
+            tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
         self.steps += 1
-        greedy, greedy_logprobs = tokens[:rows].copy(), logprobs[:rows].copy()
+        greedy = self._sampled_host.view(np.int32, (self.max_tokens,))[:rows].copy()
+        greedy_logprobs = self._logprob_host.view(np.float32, (self.max_tokens,))[:rows].copy()
         host_logits = None
         if want_logits:
             shape = (self.max_tokens, self.hparams.n_vocab)
@@ -510,6 +672,53 @@ class GpuBackend:
             else None
         )  # fmt: skip
         return StepOutput(greedy, greedy_logprobs, host_logits)
+
+    def _replay(
+        self,
+        rows: int,
+        run_forward: Callable[[], Activation],
+        tracker: LaunchOverheadTracker | None,
+    ) -> bool:
+        """Replay the decode graph of this batch size, capturing it on first use.
+
+        Returns whether the kernel timer timed this replay (read it after the sync).
+        """
+        graph = self._graphs.get(rows)
+        if graph is None:
+            graph = StepGraph(self.driver, self.stream)
+            graph.capture(lambda: self._record(run_forward))
+            self._graphs[rows] = graph
+        timed = self.kernel_timer.begin_replay(self.steps)
+        replay_start = time.perf_counter_ns()
+        graph.replay()
+        if tracker is not None:
+            tracker.launched("graph_replay", replay_start, time.perf_counter_ns())
+        if timed:
+            self.kernel_timer.end_replay()
+        return timed
+
+    def _queue_readback(self, rows: int, want_logits: bool) -> None:
+        """Queue the copies of the sampled tokens (and logits) into pinned memory."""
+        if not rows:
+            return
+        copy, stream = self.driver.copy_dtoh, self.stream
+        copy(self._sampled_host, self.sampled, stream, nbytes=rows * 4)
+        copy(self._logprob_host, self.sampled_logprob, stream, nbytes=rows * 4)
+        if want_logits:
+            nbytes = rows * self.hparams.n_vocab * 4
+            copy(self._logits_host, self.logits, stream, nbytes=nbytes)
+
+    def _close_gate(self) -> None:
+        """Queue a kernel that holds the stream until the gate flag is set (kernels/gate.hip)."""
+        self._gate.view(np.uint32, 1)[0] = 0
+        self._launch(
+            ("gate",),
+            "rf_hold",
+            GATE_ARGS,
+            (1, 1, 1),
+            (1, 1, 1),
+            (self._gate.ptr, 1, GATE_MAX_NAPS),
+        )
 
     def runtime_stats(self) -> dict[str, object]:
         """Launches, syncs and graph replays per step, and the argument cache's counters."""
@@ -529,11 +738,36 @@ class GpuBackend:
             "arg_cache_hits": cache["hits"],
             "arg_cache_misses": cache["misses"],
             "arg_bytes_repacked": cache["bytes_repacked"],
+            "launch_tracking": self.launch_tracker.enabled,
+            "kernel_timing": self.kernel_timer.enabled,
+            **self.profile(),
         }
+
+    def profile(self) -> dict[str, object]:
+        """The launch tracker's step figures, the kernel timer's, and one row per kernel name.
+
+        A kernel row merges its host launch statistics (while tracking is on), its
+        handles' argument-cache counters (always) and its GPU time (timed steps).
+        """
+        launches = self.launch_tracker.snapshot()
+        gpu = self.kernel_timer.snapshot()
+        kernels: dict[str, dict[str, Any]] = launches.pop("kernels")
+        for handle in self._handles.values():
+            row = kernels.setdefault(handle.name, {})
+            row["arg_cache_hits"] = row.get("arg_cache_hits", 0) + handle.hits
+            row["arg_cache_misses"] = row.get("arg_cache_misses", 0) + handle.misses
+            row["arg_bytes_repacked"] = row.get("arg_bytes_repacked", 0) + handle.bytes_repacked
+        for name, row in gpu.pop("kernels").items():
+            kernels.setdefault(name, {}).update(row)
+        return {"launch_overhead": launches, "gpu_time": gpu, "kernels": kernels}
 
     def reset_runtime_stats(self) -> None:
         self.driver.counters.reset()
         ARG_CACHE_STATS.reset()
+        self.launch_tracker.reset()
+        self.kernel_timer.reset()
+        for handle in self._handles.values():
+            handle.reset_stats()
         self.steps = 0
         self.host_ns = 0
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rocforge_rt.errors import BackendError
+from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 
 # struct codes of the argument types; each is aligned to its own size.
 ARG_TYPES = {"ptr": "Q", "i32": "i", "u32": "I", "f32": "f", "i64": "q"}
@@ -115,8 +116,10 @@ class LaunchHandle:
         shared_bytes: int = 0,
         stream: Any,
         arg_types: Sequence[str],
+        tracker: LaunchOverheadTracker | None = None,
     ) -> None:
         self.name = name
+        self.tracker = tracker  # told of every launch while it is enabled
         self.function = function
         self.grid = _dims("grid", grid)
         self.block = _dims("block", block)
@@ -199,8 +202,16 @@ class LaunchHandle:
             raise BackendError(f"launch handle {self.name!r} launched before set_args()")
         start = _perf_ns()
         self._launch()
-        self.launch_ns += _perf_ns() - start
+        end = _perf_ns()
+        self.launch_ns += end - start
         self.launches += 1
+        tracker = self.tracker
+        if tracker is not None and tracker.enabled:
+            tracker.launched(self.name, start, end)
+
+    def reset_stats(self) -> None:
+        """Zero the counters (hits, misses, bytes, launches, launch time); `version` stays."""
+        self.hits = self.misses = self.bytes_repacked = self.launches = self.launch_ns = 0
 
     def stats(self) -> dict[str, int | str]:
         """This handle's counters, for the overhead report."""

@@ -172,6 +172,17 @@ def _cmd_client_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reporting_client_errors
+def _cmd_client_profile(args: argparse.Namespace) -> int:
+    switch = {"on": True, "off": False, None: None}
+    with _client(args) as client:
+        state = client.profile(
+            launches=switch[args.launches], kernels=switch[args.kernels], every=args.every
+        )
+    print(json.dumps(state))
+    return 0 if state["available"] else 1
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """The stats endpoint as a text report: latency, steps, op table, KV use, hints."""
     lines = [f"{'latency (ms)':<16}{'n':>6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
@@ -205,9 +216,46 @@ def format_stats(stats: dict[str, Any]) -> str:
         f" {kv['pool_bytes'] / 2**20:.1f} MiB ({kv['use']:.1%})"
     )
     if "runtime" in stats:
-        lines.append("runtime: " + ", ".join(f"{k}={v}" for k, v in stats["runtime"].items()))
-    lines.extend(["recommendations:", *(f"  - {hint}" for hint in stats["recommendations"])])
+        lines.extend(_runtime_lines(stats["runtime"]))
+    advice = [
+        a for a in stats["recommendations"] if a["action"] != "no_action" or a["scope"] == "step"
+    ]
+    quiet = len(stats["recommendations"]) - len(advice)
+    lines.append("recommendations:" + (f" ({quiet} kernels: no action)" if quiet else ""))
+    lines.extend(f"  - [{a['action']}] {a['message']}" for a in advice)
     return "\n".join(lines)
+
+
+def _runtime_lines(runtime: dict[str, Any]) -> list[str]:
+    """The GPU runtime's scalars on one line, then its per-kernel table."""
+    scalars = {k: v for k, v in runtime.items() if not isinstance(v, dict)}
+    lines = ["runtime: " + ", ".join(f"{k}={_short(v)}" for k, v in scalars.items())]
+    gpu = runtime.get("gpu_time", {})
+    if gpu.get("timed_steps"):
+        replay = gpu["graph_replay_us_mean"] if gpu["timed_replays"] else None
+        lines.append(
+            f"GPU time ({gpu['timed_steps']} timed steps): busy {gpu['gpu_busy_us_per_step']:.0f}"
+            f" us/step, gaps {gpu['gpu_gaps_us_per_step']:.0f} us/step"
+            + (f", graph replay {replay:.0f} us" if replay is not None else "")
+        )
+    kernels = runtime.get("kernels", {})
+    if kernels:
+        lines.append(
+            f"{'kernel':<30}{'launch us':>11}{'std':>8}{'GPU us':>9}{'calls/step':>12}"
+            f"{'arg hits':>10}{'misses':>8}"
+        )
+    nan = float("nan")
+    for name, row in kernels.items():
+        lines.append(
+            f"  {name:<28}{row.get('host_us_mean', nan):>11.2f}{row.get('host_us_std', nan):>8.2f}"
+            f"{row.get('gpu_us_mean', nan):>9.2f}{row.get('calls_per_step', nan):>12.1f}"
+            f"{row.get('arg_cache_hits', 0):>10}{row.get('arg_cache_misses', 0):>8}"
+        )
+    return lines
+
+
+def _short(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -343,6 +391,14 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per reply")
 
 
+def _add_trace_command(sub: Any) -> None:
+    trace = sub.add_parser("trace", help="write a Chrome/Perfetto trace of recent steps")
+    _client_options(trace)
+    trace.add_argument("--steps", type=int, help="how many recent steps (default: all kept)")
+    trace.add_argument("--output", default="rocforge-trace.json")
+    trace.set_defaults(func=_cmd_client_trace)
+
+
 def add_server_commands(sub: Any) -> None:
     """Register serve, client, keys and demo on the `rocforge` subparsers."""
     serve = sub.add_parser("serve", help="run the ZeroMQ daemon")
@@ -385,11 +441,16 @@ def add_server_commands(sub: Any) -> None:
     health = client_sub.add_parser("health", help="live/ready (exit 0 when ready)")
     _client_options(health)
     health.set_defaults(func=_cmd_client_health)
-    trace = client_sub.add_parser("trace", help="write a Chrome/Perfetto trace of recent steps")
-    _client_options(trace)
-    trace.add_argument("--steps", type=int, help="how many recent steps (default: all kept)")
-    trace.add_argument("--output", default="rocforge-trace.json")
-    trace.set_defaults(func=_cmd_client_trace)
+    _add_trace_command(client_sub)
+    _add_trace_command(sub)  # `rocforge trace`, the same as `rocforge client trace`
+    profile = client_sub.add_parser(
+        "profile", help="switch the launch tracker and the kernel timer (GPU backends)"
+    )
+    _client_options(profile)
+    profile.add_argument("--launches", choices=("on", "off"), help="per-launch host times")
+    profile.add_argument("--kernels", choices=("on", "off"), help="GPU time of sampled steps")
+    profile.add_argument("--every", type=int, help="the kernel timer times one step in N")
+    profile.set_defaults(func=_cmd_client_profile)
 
     keys = sub.add_parser("keys", help="make CURVE keys for a daemon and a client")
     keys.add_argument("dir", help="folder to write the keys into")

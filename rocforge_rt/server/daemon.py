@@ -31,7 +31,7 @@ from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.profiling.latency import LatencyRecorder
-from rocforge_rt.profiling.op_timer import recommend
+from rocforge_rt.profiling.recommendations import recommend
 from rocforge_rt.profiling.trace import chrome_trace
 from rocforge_rt.server import protocol
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
@@ -262,6 +262,9 @@ class Daemon:
         restore = self._install_signal_handlers()
         try:
             self._serve()
+        except BaseException:
+            self.scheduler.stop()  # the engine thread must end for the join below
+            raise
         finally:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
@@ -366,6 +369,10 @@ class Daemon:
             self._dispatch(Job(request, envelope, received))
         except ProtocolError as exc:
             self._reply(envelope, error_reply(rid, exc.code, exc.message))
+        except Exception as exc:  # a bug: fail this request, keep serving everyone else
+            log.exception("request failed in the I/O thread")
+            message = f"the daemon failed on this request: {type(exc).__name__}: {exc}"
+            self._reply(envelope, error_reply(rid, ErrorCode.INTERNAL, message))
 
     def _dispatch(self, job: Job) -> None:
         request = job.request
@@ -381,6 +388,7 @@ class Daemon:
             "info": self._info,
             "stats": self._stats,
             "trace": self._trace,
+            "profile": self._profile,
             "abort": lambda r: self._abort(job.peer, r),
         }.get(request.op)
         if handler is not None:
@@ -448,4 +456,31 @@ class Daemon:
 
     def _trace(self, request: Request) -> dict[str, Any]:
         steps = self.scheduler.op_timer.recent_steps(request.steps)
-        return {"trace": chrome_trace(steps), "steps": len(steps)}
+        backend = self.scheduler.engine.backend
+        tracker = getattr(backend, "launch_tracker", None)
+        timer = getattr(backend, "kernel_timer", None)
+        launches = tracker.recent(request.steps) if tracker is not None else []
+        gpu = timer.recent(request.steps) if timer is not None else []
+        trace = chrome_trace(steps, launches=launches, gpu=gpu)
+        return {"trace": trace, "steps": len(steps), "launch_steps": len(launches),
+                "gpu_steps": len(gpu)}  # fmt: skip
+
+    def _profile(self, request: Request) -> dict[str, Any]:
+        """Switch the GPU backend's launch tracker and kernel timer; reply with their state.
+
+        The engine thread reads these switches at each step (a step in flight keeps its
+        setting), so they are set here without handing work to it.
+        """
+        backend = self.scheduler.engine.backend
+        tracker = getattr(backend, "launch_tracker", None)
+        timer = getattr(backend, "kernel_timer", None)
+        if tracker is None or timer is None:
+            return {"available": False, "launches": False, "kernels": False, "every": 0}
+        if request.every is not None:
+            timer.every = request.every
+        if request.kernels is not None:
+            timer.enabled = request.kernels
+        if request.launches is not None:
+            tracker.enabled = request.launches
+        return {"available": True, "launches": tracker.enabled, "kernels": timer.enabled,
+                "every": timer.every}  # fmt: skip

@@ -28,6 +28,7 @@ MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_MAP_FIELDS = 64
 MAX_TRACE_STEPS = 1024
 MAX_STATS_RECORDS = 1000
+MAX_TIMER_EVERY = 1_000_000
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -102,6 +103,9 @@ class Request:
     reset: bool = False  # stats
     records: int = 0  # stats: how many recent per-request records to include
     steps: int | None = None  # trace: how many recent steps (None: all kept)
+    launches: bool | None = None  # profile: launch tracker on/off (None: unchanged)
+    kernels: bool | None = None  # profile: kernel timer on/off (None: unchanged)
+    every: int | None = None  # profile: the kernel timer times one step in `every`
 
 
 # --- field checks -------------------------------------------------------------------------
@@ -231,6 +235,7 @@ OPS: dict[str, dict[str, Check]] = {
     "close": {"session": _SESSION},
     "stats": {"reset": _bool, "records": _int(0, MAX_STATS_RECORDS)},
     "trace": {"steps": _int(1, MAX_TRACE_STEPS)},
+    "profile": {"launches": _bool, "kernels": _bool, "every": _int(1, MAX_TIMER_EVERY)},
 }
 _REQUIRED = {"append": ("session",), "step": ("session",), "close": ("session",)}
 
@@ -319,6 +324,9 @@ def _build(op: str, v: Mapping[str, Any]) -> Request:
         reset=v.get("reset", False),
         records=v.get("records", 0),
         steps=v.get("steps"),
+        launches=v.get("launches"),
+        kernels=v.get("kernels"),
+        every=v.get("every"),
     )
 
 

@@ -1,0 +1,396 @@
+// Prefill GEMM: out[t, :] = W x[t, :] for a whole prompt chunk of activation rows t,
+// on the int8 matrix units (mma.m16n8k32 on NVIDIA; emulated with dp4a elsewhere,
+// see rf_mma_s8_m16n8k32 in the header). The decode GEMV (gemv.hip) keeps rows <= 8.
+//
+// The arithmetic is rf_q8.h's, shared with the decode GEMV: activations (optionally
+// RMS-normalized with gain g) are quantized to int8 per 32-element block, and each
+// output is the canonical sum over blocks of d_w * d_x * (integer dot of the block),
+// so a row gives bit-identical outputs here and in the GEMV.
+//
+// Two kernels per matmul:
+//   rf_quantize_q8_rows  x fp32 [rows, k] -> xq int8 [rows, k] + xd f32 [rows, k / 32].
+//                        Each 32-byte block of xq is stored in "mma order": for
+//                        c = 0..3, elements 4c..4c+3 then 16+4c..16+4c+3, so that one
+//                        8-byte load gives a lane both k-chunks an mma fragment needs.
+//                        Launch: grid (rows), block RF_Q8_THREADS.
+//   rf_gemm_<fmt>        tiled GEMM of the repacked weights (see gemv.hip: Q4_0 quants
+//                        uint8 [n, k/2], byte j of a block = element j (low nibble) and
+//                        j + 16 (high); Q8_0 int8 [n, k]; f16 scales [n, k/32] apart)
+//                        with xq/xd. Weights are expanded to int8 in the same mma order
+//                        while being copied to shared memory (the dot product does not
+//                        depend on the order of k as long as both sides share it).
+//                        Launch: grid (ceil(rows / 64), n_tiles), block RF_GEMM_THREADS;
+//                        n_tiles = ceil(n / 128), or ceil(n / 64) for SwiGLU.
+// Epilogues: 0 store; 1 add the residual (out may alias residual);
+//            2 SwiGLU: weight rows [0, n) are gate, [n, 2n) up; out[t, j] = silu(gate) * up.
+#include "rf_portability.h"
+#include "rf_q8.h"
+
+#define RF_Q8_THREADS RF_Q8_NORM_THREADS
+#define RF_GEMM_THREADS 128   // four 32-lane groups, 2 (n) x 2 (m)
+#define RF_GEMM_TILE_N 128    // weight rows per block; a group takes 64 (four 16-row mma tiles)
+#define RF_GEMM_TILE_M 64     // activation rows per block; a group takes 32 (four 8-row tiles)
+#define RF_GEMM_KB 4          // quant blocks (32 k each) per shared-memory stage, whole
+                              // canonical-sum stages (a multiple of RF_Q8_STAGE)
+// Shared row pitch in bytes: 40 words = 8 (mod 32) banks, so the 8-byte fragment loads
+// of a half-warp (4 rows x 4 lanes) hit 32 distinct banks.
+#define RF_GEMM_PITCH (RF_GEMM_KB * RF_QK + 32)
+static_assert(RF_GEMM_KB % RF_Q8_STAGE == 0, "a shared-memory stage holds whole sum stages");
+
+#define RF_EPILOGUE_STORE 0
+#define RF_EPILOGUE_RESIDUAL 1
+#define RF_EPILOGUE_SWIGLU 2
+
+// int32 accumulator start whose bits, read as fp32, are 1.5 * 2^23 + dot exactly for
+// |dot| < 2^22 (a block's dot is at most 32 * 127 * 128): int -> float costs one add.
+#define RF_GEMM_BIAS_BITS 0x4B400000
+#define RF_GEMM_BIAS_VALUE 12582912.0f
+
+struct alignas(16) rf_gemm_u32x4 {
+    uint32_t v[4];
+};
+struct alignas(8) rf_gemm_u32x2 {
+    uint32_t v[2];
+};
+struct alignas(16) rf_gemm_f32x4 {
+    float v[4];
+};
+
+// ---------------------------------------------------------------------------------------
+// Normalize (optional) and quantize activation rows into the global q8 buffer.
+RF_KERNEL_BOUNDS(RF_Q8_THREADS)
+void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
+                         float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
+    __shared__ float s_partial[RF_Q8_THREADS / RF_WARP_SIZE];
+    const int row = blockIdx.x;
+    const int n_blocks = k / RF_QK;
+    const float* xr = x + (int64_t)row * k;
+    float inv_rms = 1.0f;
+    if (gain != nullptr) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x * 4; i < k; i += RF_Q8_THREADS * 4) {
+            const rf_gemm_f32x4 v = *(const rf_gemm_f32x4*)(xr + i);
+            ss += rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
+        }
+        ss = rf_warp_sum(ss);
+        if (threadIdx.x % RF_WARP_SIZE == 0) {
+            s_partial[threadIdx.x / RF_WARP_SIZE] = ss;
+        }
+        __syncthreads();
+        float total = 0.0f;
+        for (int w = 0; w < RF_Q8_THREADS / RF_WARP_SIZE; ++w) {
+            total += s_partial[w];
+        }
+        inv_rms = rf_inv_rms(total, k, eps);
+    }
+    // Eight lanes per 32-element block, four elements each; every lane runs every
+    // iteration (uniform trip count) so the shuffles see whole warps.
+    const int sub = threadIdx.x & 7;
+    const int slot = sub < 4 ? 2 * sub : 2 * (sub - 4) + 1;  // u32 index in mma order
+    for (int base = 0; base < n_blocks; base += RF_Q8_THREADS / 8) {
+        const int b = base + (int)(threadIdx.x >> 3);
+        const bool live = b < n_blocks;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (live) {
+            const int e = b * RF_QK + sub * 4;
+            const rf_gemm_f32x4 in = *(const rf_gemm_f32x4*)(xr + e);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                v[i] = gain != nullptr ? rf_normalize(in.v[i], inv_rms, gain[e + i]) : in.v[i];
+            }
+        }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        amax = fmaxf(amax, rf_shfl_xor(amax, 4));
+        amax = fmaxf(amax, rf_shfl_xor(amax, 2));
+        amax = fmaxf(amax, rf_shfl_xor(amax, 1));
+        const float d = rf_q8_scale(amax);
+        uint32_t packed = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = rf_q8_round(v[i], amax, d);
+            packed |= ((uint32_t)q & 0xFFu) << (8 * i);
+        }
+        if (live) {
+            ((uint32_t*)(xq + (int64_t)row * k + b * RF_QK))[slot] = packed;
+            if (sub == 0) {
+                xd[(int64_t)row * n_blocks + b] = d;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Weight formats: how one (row, block) is fetched and expanded to 32 int8 in mma order.
+
+// Four nibbles (one per byte) -> four int8 of nibble - 8, without borrows between bytes.
+RF_DEVICE_INLINE uint32_t rf_gemm_nibbles_to_s8(uint32_t nibbles) {
+    return ((nibbles | 0x80808080u) - 0x08080808u) ^ 0x80808080u;
+}
+
+struct rf_gemm_fmt_q4_0 {
+    static constexpr int block_bytes = 16;
+    static constexpr int loads = 1;  // 16-byte loads per block
+    // Byte j of raw word q holds elements 4q + j (low nibble) and 16 + 4q + j (high).
+    RF_DEVICE_INLINE void expand(const rf_gemm_u32x4 raw[loads], rf_gemm_u32x4 out[2]) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            out[q >> 1].v[(q & 1) * 2] = rf_gemm_nibbles_to_s8(raw[0].v[q] & 0x0F0F0F0Fu);
+            out[q >> 1].v[(q & 1) * 2 + 1] = rf_gemm_nibbles_to_s8((raw[0].v[q] >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+
+struct rf_gemm_fmt_q8_0 {
+    static constexpr int block_bytes = 32;
+    static constexpr int loads = 2;
+    RF_DEVICE_INLINE void expand(const rf_gemm_u32x4 raw[loads], rf_gemm_u32x4 out[2]) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            out[q >> 1].v[(q & 1) * 2] = raw[0].v[q];      // elements 4q..4q+3
+            out[q >> 1].v[(q & 1) * 2 + 1] = raw[1].v[q];  // elements 16+4q..16+4q+3
+        }
+    }
+};
+
+// Output column of tile row r (0..RF_GEMM_TILE_N) of N-tile `tile`. A SwiGLU tile holds
+// 64 outputs: in each 64-row half (one group's rows) the 16-row mma tiles 0, 1 are gate
+// rows and 2, 3 the up rows of the same outputs, so one lane holds both.
+RF_DEVICE_INLINE int rf_gemm_out_col(int tile, int r, bool swiglu) {
+    if (!swiglu) {
+        return tile * RF_GEMM_TILE_N + r;
+    }
+    return tile * (RF_GEMM_TILE_N / 2) + (r >> 6) * 32 + ((r >> 4) & 1) * 16 + (r & 15);
+}
+
+// Weight row behind tile row r, or -1 past the matrix.
+RF_DEVICE_INLINE int rf_gemm_weight_row(int tile, int r, int n, bool swiglu) {
+    const int col = rf_gemm_out_col(tile, r, swiglu);
+    if (col >= n) {
+        return -1;
+    }
+    return swiglu && ((r >> 5) & 1) ? col + n : col;
+}
+
+struct alignas(16) rf_gemm_tiles {
+    int8_t w[RF_GEMM_TILE_N * RF_GEMM_PITCH];
+    int8_t x[RF_GEMM_TILE_M * RF_GEMM_PITCH];
+    float wd[RF_GEMM_KB * RF_GEMM_TILE_N];  // [block][tile row]
+    float xd[RF_GEMM_KB * RF_GEMM_TILE_M];  // [block][tile row]
+};
+
+template <typename Format>
+RF_DEVICE_INLINE void rf_gemm(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
+                              int n, int k, const int8_t* RF_RESTRICT xq,
+                              const float* RF_RESTRICT xd, int n_rows, int epilogue,
+                              const float* residual, float* out) {
+    __shared__ rf_gemm_tiles s;
+    const int tid = threadIdx.x;
+    const int n_blocks = k / RF_QK;
+    const int m0 = blockIdx.x * RF_GEMM_TILE_M;
+    const int tile = blockIdx.y;
+    const bool swiglu = epilogue == RF_EPILOGUE_SWIGLU;
+    const int64_t w_row_bytes = (int64_t)n_blocks * Format::block_bytes;
+
+    // What this thread copies per stage: block (tid & 3) of tile rows p * 32 + tid / 4
+    // (p = 0..3), the scales of tile row tid, 16 bytes (chunk tid & 7) of activation rows
+    // p * 16 + tid / 8, and two scales of activation row tid & 63.
+    const int w_block = tid & 3;
+    int w_rows[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        w_rows[p] = rf_gemm_weight_row(tile, p * 32 + (tid >> 2), n, swiglu);
+    }
+    const int wd_row = rf_gemm_weight_row(tile, tid, n, swiglu);
+    const int x_chunk = tid & 7;
+    const int xd_row = tid & (RF_GEMM_TILE_M - 1), xd_block = (tid >> 6) * 2;
+    const bool xd_live = m0 + xd_row < n_rows;
+
+    rf_gemm_u32x4 w_raw[4][Format::loads];
+    float w_scale[RF_GEMM_KB];
+    rf_gemm_u32x4 x_raw[4];
+    float x_scale[2];
+
+    auto fetch = [&](int kb0) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int kb = kb0 + w_block;
+            const bool live = w_rows[p] >= 0 && kb < n_blocks;
+            const uint8_t* src = w_qs + (live ? w_rows[p] * w_row_bytes + kb * Format::block_bytes : 0);
+#pragma unroll
+            for (int l = 0; l < Format::loads; ++l) {
+                w_raw[p][l] = live ? *(const rf_gemm_u32x4*)(src + 16 * l) : rf_gemm_u32x4{{0, 0, 0, 0}};
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < RF_GEMM_KB; ++c) {
+            const int kb = kb0 + c;
+            w_scale[c] = wd_row >= 0 && kb < n_blocks
+                             ? rf_half_to_float(w_d[(int64_t)wd_row * n_blocks + kb])
+                             : 0.0f;
+        }
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int row = m0 + p * 16 + (tid >> 3);
+            const bool live = row < n_rows && kb0 + (x_chunk >> 1) < n_blocks;
+            x_raw[p] = live ? *(const rf_gemm_u32x4*)(xq + (int64_t)row * k + kb0 * RF_QK + x_chunk * 16)
+                            : rf_gemm_u32x4{{0, 0, 0, 0}};
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int kb = kb0 + xd_block + c;
+            x_scale[c] = xd_live && kb < n_blocks ? xd[(int64_t)(m0 + xd_row) * n_blocks + kb] : 0.0f;
+        }
+    };
+    auto stash = [&]() {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            rf_gemm_u32x4 e[2];
+            Format::expand(w_raw[p], e);
+            rf_gemm_u32x4* dst =
+                (rf_gemm_u32x4*)(s.w + (p * 32 + (tid >> 2)) * RF_GEMM_PITCH + w_block * RF_QK);
+            dst[0] = e[0];
+            dst[1] = e[1];
+        }
+#pragma unroll
+        for (int c = 0; c < RF_GEMM_KB; ++c) {
+            s.wd[c * RF_GEMM_TILE_N + tid] = w_scale[c];
+        }
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            *(rf_gemm_u32x4*)(s.x + (p * 16 + (tid >> 3)) * RF_GEMM_PITCH + x_chunk * 16) = x_raw[p];
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            s.xd[(xd_block + c) * RF_GEMM_TILE_M + xd_row] = x_scale[c];
+        }
+    };
+
+    const int group = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wn = group & 1, wm = group >> 1;  // this group's 64 tile rows and 32 activation rows
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[i][j][e] = 0.0f;
+            }
+        }
+    }
+
+    fetch(0);
+    for (int kb0 = 0; kb0 < n_blocks; kb0 += RF_GEMM_KB) {
+        stash();
+        __syncthreads();
+        if (kb0 + RF_GEMM_KB < n_blocks) {
+            fetch(kb0 + RF_GEMM_KB);  // global loads in flight during the math below
+        }
+        // One canonical-sum stage (RF_Q8_STAGE blocks) at a time: each output's stage sum
+        // is built over the stage's blocks in order, then added to its total.
+#pragma unroll
+        for (int kb_stage = 0; kb_stage < RF_GEMM_KB; kb_stage += RF_Q8_STAGE) {
+            if (kb0 + kb_stage < n_blocks) {
+                uint32_t a[RF_Q8_STAGE][4][4], b[RF_Q8_STAGE][4][2];
+                float dw[RF_Q8_STAGE][4][2], dx[RF_Q8_STAGE][4][2];
+#pragma unroll
+                for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                    const int kb = kb_stage + h;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = wn * 64 + i * 16 + g;
+                        const int8_t* src = s.w + r * RF_GEMM_PITCH + kb * RF_QK + 8 * t;
+                        const rf_gemm_u32x2 lo = *(const rf_gemm_u32x2*)src;
+                        const rf_gemm_u32x2 hi = *(const rf_gemm_u32x2*)(src + 8 * RF_GEMM_PITCH);
+                        a[h][i][0] = lo.v[0];
+                        a[h][i][1] = hi.v[0];
+                        a[h][i][2] = lo.v[1];
+                        a[h][i][3] = hi.v[1];
+                        dw[h][i][0] = s.wd[kb * RF_GEMM_TILE_N + r];
+                        dw[h][i][1] = s.wd[kb * RF_GEMM_TILE_N + r + 8];
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int m = wm * 32 + j * 8;
+                        const rf_gemm_u32x2 v = *(const rf_gemm_u32x2*)(s.x + (m + g) * RF_GEMM_PITCH +
+                                                                        kb * RF_QK + 8 * t);
+                        b[h][j][0] = v.v[0];
+                        b[h][j][1] = v.v[1];
+                        dx[h][j][0] = s.xd[kb * RF_GEMM_TILE_M + m + 2 * t];
+                        dx[h][j][1] = s.xd[kb * RF_GEMM_TILE_M + m + 2 * t + 1];
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        float stage[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                        for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                            if (kb0 + kb_stage + h < n_blocks) {
+                                int c[4] = {RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS,
+                                            RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS};
+                                rf_mma_s8_m16n8k32(c, a[h][i], b[h][j]);
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const float dot = rf_int_as_float(c[e]) - RF_GEMM_BIAS_VALUE;
+                                    stage[e] = rf_q8_stage_add(stage[e], dw[h][i][e >> 1],
+                                                               dx[h][j][e & 1], dot);
+                                }
+                            }
+                        }
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            acc[i][j][e] += stage[e];
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Epilogue: lane holds tile rows wn*64 + i*16 + g (+8) x activation rows
+    // wm*32 + j*8 + 2t (+1).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (swiglu && i >= 2) {
+            break;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = wn * 64 + i * 16 + g + (e >> 1) * 8;
+                const int col = rf_gemm_out_col(tile, r, swiglu);
+                const int row = m0 + wm * 32 + j * 8 + 2 * t + (e & 1);
+                if (col < n && row < n_rows) {
+                    const int64_t o = (int64_t)row * n + col;
+                    float y = acc[i][j][e];
+                    if (epilogue == RF_EPILOGUE_RESIDUAL) {
+                        y += residual[o];
+                    } else if (swiglu) {
+                        y = y / (1.0f + expf(-y)) * acc[(i + 2) & 3][j][e];  // the up row
+                    }
+                    out[o] = y;
+                }
+            }
+        }
+    }
+}
+
+RF_KERNEL_BOUNDS(RF_GEMM_THREADS)
+void rf_gemm_q4_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
+                  const int8_t* RF_RESTRICT xq, const float* RF_RESTRICT xd, int n_rows,
+                  int epilogue, const float* residual, float* out) {
+    rf_gemm<rf_gemm_fmt_q4_0>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out);
+}
+
+RF_KERNEL_BOUNDS(RF_GEMM_THREADS)
+void rf_gemm_q8_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
+                  const int8_t* RF_RESTRICT xq, const float* RF_RESTRICT xd, int n_rows,
+                  int epilogue, const float* residual, float* out) {
+    rf_gemm<rf_gemm_fmt_q8_0>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out);
+}

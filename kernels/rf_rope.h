@@ -1,0 +1,52 @@
+// rf_rope.h - RoPE + KV-append of one (even, odd) pair of a token's fused Q|K|V row,
+// shared by the standalone kernel (rope_kv.hip, after a prefill GEMM) and the QKV
+// GEMV's epilogue (gemv.hip, decode), so that both write bit-identical q, k and v.
+//
+// Q|K|V row layout: [n_head * dk | n_kv * dk | n_kv * dv] with dk == dv == head_dim.
+// Adjacent-pair ("norm") RoPE: pair i of a head = elements (2i, 2i+1), rotated by
+// the angle of (position, i) when i < rope_dims / 2; later pairs pass unrotated.
+// q goes to q_out (fp32), k and v to the KV pool (fp16) at the token's slot and position.
+#ifndef RF_ROPE_H
+#define RF_ROPE_H
+
+#include "rf_portability.h"
+
+struct rf_rope_out {
+    const int32_t* positions;  // step state: position of each token
+    const int32_t* slots;      // step state: KV slot of each token
+    const float* cos_table;    // [n_ctx, rope_dims / 2]
+    const float* sin_table;
+    float* q_out;        // [n_tokens, q_dim]
+    uint16_t* k_cache;   // [n_slots, n_ctx, kv_dim] of this layer
+    uint16_t* v_cache;
+    int q_dim, kv_dim, head_dim, rope_dims, n_ctx;
+};
+
+// Store the pair (y0, y1) at elements (e, e + 1) of token t's Q|K|V row (e even).
+RF_DEVICE_INLINE void rf_rope_store(const rf_rope_out& r, int t, int e, float y0, float y1) {
+    const int pos = r.positions[t];
+    if (e < r.q_dim + r.kv_dim) {
+        const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
+        if (pair < half) {
+            const float c = r.cos_table[(int64_t)pos * half + pair];
+            const float s = r.sin_table[(int64_t)pos * half + pair];
+            const float even = y0, odd = y1;
+            y0 = fmaf(even, c, -(odd * s));
+            y1 = fmaf(even, s, odd * c);
+        }
+    }
+    const int64_t cache_row = (int64_t)r.slots[t] * r.n_ctx + pos;
+    if (e < r.q_dim) {
+        float* q = r.q_out + (int64_t)t * r.q_dim + e;
+        q[0] = y0;
+        q[1] = y1;
+    } else {
+        const bool is_k = e < r.q_dim + r.kv_dim;
+        const int i = e - r.q_dim - (is_k ? 0 : r.kv_dim);
+        uint16_t* dst = (is_k ? r.k_cache : r.v_cache) + cache_row * r.kv_dim + i;
+        dst[0] = rf_float_to_half(y0);
+        dst[1] = rf_float_to_half(y1);
+    }
+}
+
+#endif  // RF_ROPE_H

@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Decode GEMV micro-benchmark: µs per launch and TB/s of weight bytes, per layer shape.
+
+Times the quantized GEMV kernels (kernels/gemv.hip) on the GEMV shapes of the
+synthetic models (8B: QKV, O + residual, gate|up + SwiGLU, down + residual, LM
+head; likewise for the 1B and SmolLM2-135M shapes) by graph replay of many
+launches that rotate over enough weight copies to overflow the L2 cache, as a
+decode step streams a new matrix at every launch. Each shape runs:
+  - `auto`: the backend's own choice (GpuBackend._gemv), as decode uses it;
+  - every kernel variant (output rows per warp) x grid cap (blocks per SM);
+  - with --baseline SRC, the kernel `auto` chose from an older gemv.hip of the same
+    kernel interface, with the same launch (an A/B of kernel sources).
+Every variant's output is checked against a numpy reference on sampled rows
+(the CPU backend's q8 arithmetic) before it is timed.
+
+    python3 scripts/bench_gemv.py --shapes 8b --out bench-results/gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from rocforge_rt.backends.cpu import quantize_q8, rms_normalize
+from rocforge_rt.backends.cuda import CudaDriver, NvrtcCompiler
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.hparams import HParams
+from rocforge_rt.model.synthetic import random_blocks
+from rocforge_rt.runtime import gpu_ops
+from rocforge_rt.runtime.gpu_ops import (
+    EPILOGUE_RESIDUAL,
+    EPILOGUE_STORE,
+    EPILOGUE_SWIGLU,
+    Activation,
+    DeviceMatrix,
+    GpuBackend,
+    repack_rows,
+)
+from rocforge_rt.runtime.kernel_library import KernelLibrary, kernels_dir
+from rocforge_rt.runtime.launch import LaunchHandle
+
+L2_BYTES = 60 << 20  # H200; the rotation covers 3x this
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    k: int
+    n: int  # output rows (gate|up: n_ff, with 2 * n_ff weight rows)
+    fmt: str
+    epilogue: int
+    gain: bool
+
+    @property
+    def weight_rows(self) -> int:
+        return 2 * self.n if self.epilogue == EPILOGUE_SWIGLU else self.n
+
+    @property
+    def qtype(self) -> Q:
+        return Q.Q4_0 if self.fmt == "q4_0" else Q.Q8_0
+
+    @property
+    def weight_bytes(self) -> int:
+        quant = self.k // 2 if self.fmt == "q4_0" else self.k
+        return self.weight_rows * (quant + self.k // 32 * 2)
+
+
+def model_shapes(name: str, n_embd: int, n_ff: int, q_dim: int, kv_dim: int, vocab: int,
+                 head_fmt: str) -> list[Shape]:  # fmt: skip
+    return [
+        Shape(f"{name} qkv", n_embd, q_dim + 2 * kv_dim, "q4_0", EPILOGUE_STORE, True),
+        Shape(f"{name} o+res", q_dim, n_embd, "q4_0", EPILOGUE_RESIDUAL, False),
+        Shape(f"{name} gate|up", n_embd, n_ff, "q4_0", EPILOGUE_SWIGLU, True),
+        Shape(f"{name} down+res", n_ff, n_embd, "q4_0", EPILOGUE_RESIDUAL, False),
+        Shape(f"{name} lm_head", n_embd, vocab, head_fmt, EPILOGUE_STORE, True),
+    ]
+
+
+SHAPES = {
+    "8b": model_shapes("8b", 4096, 14336, 4096, 1024, 128256, "q4_0"),
+    "1b": model_shapes("1b", 2048, 8192, 2048, 512, 128256, "q8_0"),
+    "135m": model_shapes("135m", 576, 1536, 576, 192, 49152, "q8_0"),
+}
+
+
+def dequantize_rows(fmt: str, quants: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Float32 rows from the repacked layout (the kernel's view of the weights)."""
+    d = scales.view(np.float16).astype(np.float32)[:, :, None]
+    if fmt == "q4_0":
+        blocks = quants.reshape(quants.shape[0], -1, 16)
+        q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).astype(np.float32) - 8
+    else:
+        q = quants.view(np.int8).reshape(quants.shape[0], -1, 32).astype(np.float32)
+    return (q * d).reshape(quants.shape[0], -1)
+
+
+class Bench:
+    def __init__(self, driver: CudaDriver, backend: GpuBackend, baseline: Path | None) -> None:
+        self.driver = driver
+        self.backend = backend
+        self.stream = backend.stream
+        self.functions = dict(backend._functions)
+        self.baseline = None
+        if baseline is not None:
+            self.baseline = self._compile_baseline(baseline, backend)
+
+    def _compile_baseline(self, source: Path, backend: GpuBackend) -> dict[str, object]:
+        with tempfile.TemporaryDirectory() as tmp:
+            src_dir = Path(tmp) / "kernels"
+            src_dir.mkdir()
+            shutil.copy(source, src_dir / "gemv.hip")
+            for header in kernels_dir().glob("*.h"):
+                shutil.copy(header, src_dir)
+            library = KernelLibrary(self.compiler, src_dir, Path(tmp) / "cache")
+            code = library.load("gemv.hip")
+        module = self.driver.load_module(code.code)
+        return {name: module.function(name) for name in code.kernels}
+
+    compiler: NvrtcCompiler
+
+    def handle(self, function: object, name: str, grid: int, shared: int, args: tuple,
+               arg_types: tuple[str, ...]) -> LaunchHandle:  # fmt: skip
+        handle = LaunchHandle(
+            self.driver,
+            function,
+            name=name,
+            grid=(grid, 1, 1),
+            block=(gpu_ops.GEMV_THREADS, 1, 1),
+            shared_bytes=shared,
+            stream=self.stream,
+            arg_types=arg_types,
+        )
+        handle.set_args(*args)
+        return handle
+
+    def time_launches(self, issue: Callable[[int], None], copies: int, reps: int) -> float:
+        """Median µs per launch over `reps` replays of a graph of launches over every copy."""
+        per_graph = copies * max(1, math.ceil(24 / copies))
+        self.driver.begin_capture(self.stream)
+        try:
+            for i in range(per_graph):
+                issue(i % copies)
+        finally:
+            graph = self.driver.end_capture(self.stream)
+        exe = self.driver.graph_instantiate(graph)
+        start, end = self.driver.create_event(), self.driver.create_event()
+        for _ in range(3):
+            self.driver.graph_launch(exe, self.stream)
+        times = []
+        for _ in range(reps):
+            self.driver.event_record(start, self.stream)
+            self.driver.graph_launch(exe, self.stream)
+            self.driver.event_record(end, self.stream)
+            self.driver.event_synchronize(end)
+            times.append(self.driver.event_elapsed_ms(start, end) * 1000 / per_graph)
+        self.driver.release(exe)
+        self.driver.release(graph)
+        return statistics.median(times)
+
+
+def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.Generator) -> list:
+    driver, backend = bench.driver, bench.backend
+    info = driver.info
+    warps = gpu_ops.GEMV_THREADS // info.warp_size
+    sms = info.multiprocessors
+    tensor = WeightTensor(
+        "w", shape.qtype, (shape.weight_rows, shape.k),
+        random_blocks(rng, shape.weight_rows, shape.k, shape.qtype, 1 / np.sqrt(shape.k)),
+    )  # fmt: skip
+    fmt, quants, scales = repack_rows([tensor])
+    copies = max(2, math.ceil(3 * L2_BYTES / shape.weight_bytes))
+    matrices = []
+    for _ in range(copies):
+        qs, d = driver.alloc(quants.nbytes), driver.alloc(scales.nbytes)
+        driver.copy_htod(qs, quants)
+        driver.copy_htod(d, scales)
+        matrices.append(DeviceMatrix(fmt, shape.weight_rows, shape.k, qs, d))
+    x = rng.standard_normal((rows, shape.k)).astype(np.float32)
+    gain_host = rng.uniform(0.5, 1.5, shape.k).astype(np.float32)
+    residual = rng.standard_normal((rows, shape.n)).astype(np.float32)
+    x_buf, gain_buf = driver.alloc(x.nbytes), driver.alloc(gain_host.nbytes)
+    out_buf = driver.alloc(residual.nbytes)
+    driver.copy_htod(x_buf, x)
+    driver.copy_htod(gain_buf, gain_host)
+    gain_ptr = gain_buf.ptr if shape.gain else 0
+    res_ptr = out_buf.ptr if shape.epilogue == EPILOGUE_RESIDUAL else 0
+
+    # Reference on sampled output rows (the CPU q8 mode's arithmetic).
+    sample = np.unique(np.linspace(0, shape.n - 1, min(shape.n, 384)).astype(np.int64))
+    xs = rms_normalize(x, gain_host, EPS) if shape.gain else x
+    xq = quantize_q8(xs)
+
+    def dense(rows_idx: np.ndarray) -> np.ndarray:
+        return xq @ dequantize_rows(fmt, quants[rows_idx], scales[rows_idx]).T
+
+    ref = dense(sample)
+    if shape.epilogue == EPILOGUE_SWIGLU:
+        up = dense(sample + shape.n)
+        ref = ref / (1.0 + np.exp(-ref)) * up
+    elif shape.epilogue == EPILOGUE_RESIDUAL:
+        ref = ref + residual[:, sample]
+
+    def check(run: Callable[[], None]) -> float:
+        driver.copy_htod(out_buf, residual)  # the residual epilogue adds in place
+        run()
+        driver.synchronize()
+        got = np.empty_like(residual)
+        driver.copy_dtoh(got, out_buf)
+        if not np.all(np.isfinite(got)):
+            return float("inf")
+        return float(np.max(np.abs(got[:, sample] - ref)) / np.max(np.abs(ref)))
+
+    results = []
+
+    def record(label: str, issue: Callable[[int], None], grid: int) -> None:
+        err = check(lambda: issue(0))
+        us = bench.time_launches(issue, copies, reps)
+        tbs = shape.weight_bytes / (us * 1e-6) / 1e12
+        results.append({"shape": shape.name, "rows": rows, "variant": label, "grid": grid,
+                        "us": us, "tb_s": tbs, "rel_err": err})  # fmt: skip
+        print(f"{shape.name:>14} r{rows} {label:>22} grid {grid:6d}: {us:8.2f} us "
+              f"{tbs:5.2f} TB/s  err {err:.1e}", flush=True)  # fmt: skip
+
+    # The backend's own choice, through GpuBackend._gemv (launch handles and all).
+    x_act = Activation(x_buf, rows, shape.k)
+
+    def auto(i: int) -> None:
+        backend._gemv(
+            matrices[i], x_act, shape.n, out_buf.ptr,
+            gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
+        )  # fmt: skip
+
+    auto(0)
+    chosen = list(backend._handles.values())[-1]
+    record(f"auto {chosen.name.removeprefix('rf_gemv_')}", auto, chosen.grid[0])
+
+    args_of = lambda m: (  # noqa: E731
+        m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, gain_ptr, EPS,
+        shape.epilogue, res_ptr, out_buf.ptr,
+    )  # fmt: skip
+    shared = gpu_ops.gemv_shared_bytes(shape.k, rows, info.warp_size)
+    suffix = "_swiglu" if shape.epilogue == EPILOGUE_SWIGLU else ""
+    if rows == 1:
+        variants = [(no, f"rf_gemv_{fmt}_b1_n{no}{suffix}")
+                    for no in gpu_ops.GEMV_ROWS_PER_WARP[(fmt, suffix)]]  # fmt: skip
+    else:
+        no = gpu_ops.GEMV_MULTI_ROW_NO[suffix]
+        variants = [(no, f"rf_gemv_{fmt}_b{gpu_ops.GEMV_MAX_ROWS}_n{no}{suffix}")]
+    for no, kernel in variants:
+        blocks = math.ceil(math.ceil(shape.n / no) / warps)
+        grids = sorted({min(blocks, c * sms) for c in (1, 2, 4, 8)} | {blocks})
+        for grid in grids:
+            handles = [
+                bench.handle(
+                    bench.functions[kernel], kernel, grid, shared, args_of(m), gpu_ops.GEMV_ARGS
+                )  # fmt: skip
+                for m in matrices
+            ]
+            record(f"n{no} cap{grid / sms:.1f}", lambda i, h=handles: h[i].launch(), grid)
+
+    if bench.baseline is not None:  # the older source's kernel of the same name and launch
+        handles = [
+            bench.handle(
+                bench.baseline[chosen.name],
+                chosen.name,
+                chosen.grid[0],
+                shared,
+                args_of(m),
+                gpu_ops.GEMV_ARGS,
+            )  # fmt: skip
+            for m in matrices
+        ]
+        record("baseline (same launch)", lambda i, h=handles: h[i].launch(), chosen.grid[0])
+
+    for m in matrices:
+        driver.free(m.qs)
+        driver.free(m.d)
+    for buf in (x_buf, gain_buf, out_buf):
+        driver.free(buf)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="8b,1b,135m", help="comma list of: 8b, 1b, 135m")
+    parser.add_argument("--only", default="", help="substring filter on shape names")
+    parser.add_argument("--rows", default="1", help="activation rows, comma list (<= 8)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--baseline", type=Path, help="an older gemv.hip to time beside")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/gemv.json"))
+    args = parser.parse_args()
+
+    driver = CudaDriver()
+    compiler = NvrtcCompiler(arch=driver.info.arch)
+    hp = HParams(
+        arch="llama", n_layer=1, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
+        head_dim_k=128, head_dim_v=128, n_vocab=1024, n_ctx_train=64, rope_base=1e4,
+        rope_dims=128, rms_eps=EPS, tied_embeddings=False,
+    )  # fmt: skip
+    backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8, mode="deferred")
+    Bench.compiler = compiler
+    bench = Bench(driver, backend, args.baseline)
+    print(f"device: {driver.info.name}, {driver.info.multiprocessors} SMs", flush=True)
+    rng = np.random.default_rng(0)
+    results = []
+    for group in args.shapes.split(","):
+        for shape in SHAPES[group]:
+            if args.only and args.only not in shape.name:
+                continue
+            for rows in (int(r) for r in args.rows.split(",")):
+                results.extend(run_shape(bench, shape, rows, args.reps, rng))
+
+    print("\nbest per shape (µs, TB/s of weights) vs auto and baseline:")
+    by_shape: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        by_shape.setdefault((r["shape"], r["rows"]), []).append(r)
+    for (name, rows), rs in by_shape.items():
+        ok = [r for r in rs if r["rel_err"] <= 1e-3]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        auto = next(r for r in rs if r["variant"].startswith("auto"))
+        base = next((r for r in rs if r["variant"] == "baseline"), None)
+        line = f"{name:>14} r{rows}: auto {auto['us']:7.2f} us {auto['tb_s']:4.2f} TB/s"
+        if best:
+            line += f" | best {best['variant']} g{best['grid']} {best['us']:7.2f} us"
+        if base:
+            line += f" | baseline {base['us']:8.2f} us {base['tb_s']:4.2f} TB/s"
+        bad = [r["variant"] for r in rs if not r["rel_err"] <= 1e-3]
+        if bad:
+            line += f" | ERR>1e-3: {bad}"
+        print(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": driver.info.name, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The prefill GEMM path (kernels/gemm.hip) against the CPU reference (run on a GPU machine).
+
+More than 8 activation rows take the int8 GEMM instead of the decode GEMV. Every op is
+compared with the CPU backend in q8-activation mode (the same arithmetic: max relative
+error 1e-3) and with float32 activations (2e-2); relative error is
+max |gpu - ref| / max |ref|. End to end, a prompt's last logits from one prefill chunk
+must equal those of the same prompt finished by a decode step.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gpu_checks import hparams, rel_error, weight
+
+from rocforge_rt.backends import create_backend, cuda
+from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
+from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.synthetic import write_synthetic_model
+from rocforge_rt.runtime.gpu_ops import GEMV_MAX_ROWS, Activation
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(cuda.device_count() == 0, reason="no CUDA device"),
+]
+
+KS = [576, 1536, 2048, 4096, 14336]
+NS = [192, 576, 960, 3072]
+MAX_ROWS = 128
+
+
+def row_counts(k: int, n: int) -> tuple[int, int]:
+    """An odd count past one 64-row tile (or just past the GEMV's 8) and the full 128."""
+    odd = GEMV_MAX_ROWS + 1 + (k + 3 * n) % 119
+    return odd, MAX_ROWS
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    # Buffers sized for the largest shapes below: K up to 14336, N up to 3 * 3072.
+    shapes = hparams(n_embd=14336, n_ff=14336, n_head=48, n_head_kv=48)
+    return create_backend("cuda", shapes, n_slots=1, n_ctx=64, max_tokens=MAX_ROWS)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return CpuBackend(hparams(), 1, 1)
+
+
+def upload(gpu, values: np.ndarray) -> Activation:
+    """Rows in a buffer of their own (the backend's own buffers are the ops' outputs)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    return Activation(gpu._upload(values), values.shape[0], values.shape[1])
+
+
+def poison(gpu, buf) -> None:
+    gpu.driver.memset(buf, 0xFF, gpu.stream)  # NaN everywhere: unwritten outputs fail
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n", NS)
+def test_gemm_with_fused_rmsnorm_matches_the_cpu(gpu, cpu, k, n):
+    rng = np.random.default_rng(k * 7 + n * 3)
+    w = weight(rng, n, k)
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    matrix, gain, dense = gpu.linear(w), gpu.vector(gain_tensor), cpu.linear(w)
+    for rows in row_counts(k, n):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        poison(gpu, gpu.qkv)
+        got = gpu.to_host(gpu.norm_matmul(gpu.load_activation(x), gain, matrix))
+        normed = rms_normalize(x, gain_tensor.data, 1e-5)
+        assert rel_error(got, quantize_q8(normed) @ dense.T) <= 1e-3, rows
+        assert rel_error(got, normed @ dense.T) <= 2e-2, rows
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n", NS)
+def test_gemm_residual_epilogue_matches_the_cpu(gpu, cpu, k, n):
+    rng = np.random.default_rng(k * 5 + n)
+    w = weight(rng, n, k)
+    matrix, dense = gpu.linear(w), cpu.linear(w)
+    for rows in row_counts(k, n):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        residual = rng.standard_normal((rows, n)).astype(np.float32)
+        res = upload(gpu, residual)
+        out = gpu.matmul_add(upload(gpu, x), matrix, res)
+        assert out.ptr == res.ptr  # written in place, as the forward uses it
+        got = gpu.to_host(out)
+        assert rel_error(got, residual + quantize_q8(x) @ dense.T) <= 1e-3, rows
+        assert rel_error(got, residual + x @ dense.T) <= 2e-2, rows
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n_ff", NS)
+def test_gemm_swiglu_epilogue_matches_the_cpu(gpu, cpu, k, n_ff):
+    rng = np.random.default_rng(k * 11 + n_ff)
+    gate, up = weight(rng, n_ff, k, name="gate"), weight(rng, n_ff, k, name="up")
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    matrix, gain = gpu.linear(gate, up), gpu.vector(gain_tensor)
+    dense = cpu.linear(gate, up)
+    for rows in row_counts(k, n_ff):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        poison(gpu, gpu.h)
+        got = gpu.to_host(gpu.norm_gate_up_swiglu(gpu.load_activation(x), gain, matrix))
+        normed = rms_normalize(x, gain_tensor.data, 1e-5)
+        for activations, tolerance in ((quantize_q8(normed), 1e-3), (normed, 2e-2)):
+            gate_up = activations @ dense.T
+            expected = silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:]
+            assert rel_error(got, expected) <= tolerance, (rows, tolerance)
+
+
+@pytest.mark.parametrize(("k", "n"), [(576, 1024), (2048, 3072), (4096, 960)])
+def test_gemm_over_q8_0_weights_matches_the_cpu(gpu, cpu, k, n):
+    """Q8_0 matrices (tied embeddings as the LM head of a teacher-forced prompt)."""
+    rng = np.random.default_rng(k + n)
+    w = weight(rng, n, k, Q.Q8_0)
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    matrix, gain, dense = gpu.linear(w), gpu.vector(gain_tensor), cpu.linear(w)
+    for rows in row_counts(k, n):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        got = gpu.to_host(gpu.norm_matmul(gpu.load_activation(x), gain, matrix))
+        normed = rms_normalize(x, gain_tensor.data, 1e-5)
+        assert rel_error(got, quantize_q8(normed) @ dense.T) <= 1e-3, rows
+        assert rel_error(got, normed @ dense.T) <= 2e-2, rows
+
+
+@pytest.mark.parametrize("k", [576, 608, 4096, 14336])  # 608: an odd block count
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_gemm_and_gemv_give_bit_identical_rows(gpu, k, qtype):
+    """A row's outputs do not depend on the batch: the GEMV (one row, or eight) and the
+    GEMM (a prompt chunk) share one summation order (kernels/rf_q8.h), for every epilogue."""
+    rng = np.random.default_rng(k)
+    n = 960
+    w = gpu.linear(weight(rng, n, k, qtype))
+    gate_up = gpu.linear(weight(rng, n, k, qtype, "gate"), weight(rng, n, k, qtype, "up"))
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    gain = gpu.vector(gain_tensor)
+    x = rng.standard_normal((GEMV_MAX_ROWS + 17, k)).astype(np.float32)
+    residual = rng.standard_normal((x.shape[0], n)).astype(np.float32)
+
+    def run(rows: int) -> list[np.ndarray]:
+        norm = gpu.to_host(gpu.norm_matmul(gpu.load_activation(x[:rows]), gain, w))
+        swiglu = gpu.to_host(gpu.norm_gate_up_swiglu(gpu.load_activation(x[:rows]), gain, gate_up))
+        res = upload(gpu, residual[:rows])
+        added = gpu.to_host(gpu.matmul_add(upload(gpu, x[:rows]), w, res))
+        return [norm, swiglu, added]
+
+    one, eight, chunk = run(1), run(GEMV_MAX_ROWS), run(x.shape[0])
+    for single, batch, prompt in zip(one, eight, chunk, strict=True):
+        assert np.array_equal(batch[:1], single)
+        assert np.array_equal(prompt[:GEMV_MAX_ROWS], batch)
+
+
+def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
+    """The QKV GEMV's RoPE + KV-append epilogue (1 or 8 rows) and the GEMM + rope kernel
+    (a prompt chunk) write bit-identical q and KV rows, and both follow the CPU."""
+    hp = hparams()
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=64, max_tokens=32)
+    rng = np.random.default_rng(12)
+    parts = [weight(rng, n, hp.n_embd, name=name)
+             for n, name in ((hp.q_dim, "q"), (hp.kv_dim_k, "k"), (hp.kv_dim_v, "v"))]  # fmt: skip
+    gain_values = rng.uniform(0.5, 1.5, hp.n_embd).astype(np.float32)
+    gain_tensor = WeightTensor("g", Q.F32, (hp.n_embd,), gain_values)
+    wqkv, gain, dense = gpu.linear(*parts), gpu.vector(gain_tensor), cpu.linear(*parts)
+    x = rng.standard_normal((25, hp.n_embd)).astype(np.float32)
+
+    def run(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        for buf in (gpu.k_cache[0], gpu.v_cache[0]):
+            gpu.driver.memset(buf, 0, gpu.stream)
+        batch = StepBatch.prefill(list(range(rows)), 3, 0)  # positions 3 ..
+        gpu.write_step_state(batch)
+        q = gpu.to_host(gpu.norm_qkv_rope(gpu.load_activation(x[:rows]), gain, wqkv, 0, batch))
+        caches = []
+        for buf in (gpu.k_cache[0], gpu.v_cache[0]):
+            host = np.empty((64, hp.kv_dim_k), dtype=np.float16)
+            gpu.driver.copy_dtoh(host, buf)
+            caches.append(host[3 : 3 + rows])
+        return q, *caches
+
+    chunk = run(25)
+    for rows in (1, GEMV_MAX_ROWS):
+        for decode, prompt in zip(run(rows), chunk, strict=True):
+            assert np.array_equal(decode, prompt[:rows])
+    batch = StepBatch.prefill(list(range(25)), 3, 0)
+    q_ref = CpuBackend(hp, 1, 64).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
+    assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of the SmolLM2-135M shape (30 layers, 9/3 heads of 64)."""
+    path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
+    return write_synthetic_model("smollm2-135m", path, seed=3, progress=False)
+
+
+def test_prefill_chunk_equals_prefill_then_decode(synthetic_model):
+    """The last row of a one-chunk prefill (GEMM) equals the same token decoded (GEMV)."""
+    engine = Engine.load(synthetic_model, backend="cuda", n_ctx=256)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, engine.hparams.n_vocab, 61).tolist()
+    assert len(prompt) <= engine.prefill_chunk
+    whole = engine.logits(prompt)  # one chunk through the GEMM path, logits of every row
+    engine.logits(prompt[:-1])  # the prefix through the GEMM path fills the cache ...
+    last = len(prompt) - 1
+    step = engine._run(StepBatch.decode([prompt[-1]], [last], [0]), True)  # ... a GEMV step
+    assert np.array_equal(whole[-1], step.logits[0])  # one summation order: bit-identical
+    assert np.array_equal(whole[:-1], engine.logits(prompt[:-1]))  # deterministic
+
+
+def test_prefill_follows_the_cpu_q8_engine(synthetic_model):
+    gpu = Engine.load(synthetic_model, backend="cuda", n_ctx=256)
+    cpu = Engine.load(synthetic_model, backend="cpu", n_ctx=256)
+    prompt = np.random.default_rng(6).integers(0, gpu.hparams.n_vocab, 96).tolist()
+    got, ref = gpu.logits(prompt), cpu.logits(prompt)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    confident = (top2[:, 1] - top2[:, 0]) >= 0.05 * np.max(np.abs(ref))
+    assert np.array_equal(np.argmax(got, -1)[confident], np.argmax(ref, -1)[confident])
+    assert np.mean(np.abs(got - ref)) <= 5e-3 * np.max(np.abs(ref))  # no drift, only rounding
+    assert rel_error(got, ref) <= 5e-2
