@@ -27,6 +27,17 @@ def test_generate_writes_only_text_to_stdout_and_figures_to_stderr(default_model
         assert figure in done.stderr
 
 
+@pytest.mark.slow
+def test_generate_chat_renders_the_template_and_stops_at_the_end_of_the_turn(default_model):
+    done = rocforge(
+        "generate", "--model", str(default_model), "--backend", "cpu", "--chat",
+        "--prompt", "Name one color.", "--max-tokens", "48",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "<|im_end|>" not in done.stdout
+    assert "finish_reason=stop_token" in done.stderr
+
+
 def test_models_default_prints_the_existing_model_path(default_model):
     done = rocforge("models", "default")
     assert done.returncode == 0, done.stderr

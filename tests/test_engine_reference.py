@@ -31,6 +31,13 @@ def test_top1_matches_wherever_llamacpp_is_confident(engine, reference):
             assert int(np.argmax(last_logits(engine, case["ids"]))) == top1, case["prompt"]
 
 
+def test_our_top1_is_among_llamacpps_top2(engine, reference):
+    """A check that holds at every reference point: none of the three has a 0.5 margin."""
+    for case in cases(reference):
+        top2 = {t for t, _ in case["top20"][:2]}
+        assert int(np.argmax(last_logits(engine, case["ids"]))) in top2, case["prompt"]
+
+
 def test_top10_overlap_is_at_least_8_of_10(engine, reference):
     for case in cases(reference):
         ours = set(np.argsort(-last_logits(engine, case["ids"]))[:10].tolist())

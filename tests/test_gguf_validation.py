@@ -161,7 +161,8 @@ def test_missing_path(tmp_path: Path) -> None:
 
 
 def test_directory(tmp_path: Path) -> None:
-    assert_mentions(load_error(tmp_path), str(tmp_path), "a GGUF file", "found a directory")
+    message = load_error(tmp_path)
+    assert_mentions(message, str(tmp_path), "a GGUF file", "found a directory", "pass the .gguf")
 
 
 def test_zero_length_file(tmp_path: Path) -> None:
@@ -212,6 +213,7 @@ def test_non_llama_architecture(tiny_model: Path, tmp_path: Path) -> None:
     path = rewrite(tiny_model, tmp_path / "qwen.gguf", metadata=qwen)
     message = load_error(path)
     assert_mentions(message, str(path), "general.architecture", "expected 'llama'", "'qwen2'")
+    assert_mentions(message, "only llama-family models")
 
 
 def test_missing_metadata_key(tiny_model: Path, tmp_path: Path) -> None:
@@ -253,6 +255,7 @@ def test_missing_tensor(tiny_model: Path, tmp_path: Path) -> None:
     path = rewrite(tiny_model, tmp_path / "incomplete.gguf", tensors=lambda t: t.pop(name))
     message = load_error(path)
     assert_mentions(message, str(path), repr(name), "present with shape (128, 64)", "nothing")
+    assert_mentions(message, "re-download")
 
 
 def test_wrong_shape(tiny_model: Path, tmp_path: Path) -> None:
@@ -266,6 +269,7 @@ def test_wrong_shape(tiny_model: Path, tmp_path: Path) -> None:
     assert_mentions(
         message, str(path), repr(name), "expected shape (64, 64)", "found shape (32, 64)"
     )
+    assert_mentions(message, "convert_hf_to_gguf.py", "rocforge convert")
 
 
 def test_linear_weight_not_q4_0(tiny_model: Path, tmp_path: Path) -> None:
@@ -281,7 +285,8 @@ def test_norm_not_f32(tiny_model: Path, tmp_path: Path) -> None:
     name = "output_norm.weight"
     f16 = TensorOut(name, Q.F16, (64,), lambda: np.ones(64, dtype=np.float16))
     path = rewrite(tiny_model, tmp_path / "f16.gguf", tensors=lambda t: t.update({name: f16}))
-    assert_mentions(load_error(path), str(path), repr(name), "expected F32, found F16")
+    message = load_error(path)
+    assert_mentions(message, str(path), repr(name), "expected F32, found F16", "rocforge convert")
 
 
 def test_extra_tensor(tiny_model: Path, tmp_path: Path) -> None:
