@@ -36,7 +36,9 @@ HOST_BUDGET_US_PER_TOKEN = 40.0  # DESIGN.md: what is left per token at 2x llama
 TOP_OP_SHARE = 0.5
 
 
-def _advice(scope: str, target: str, action: str, metric: str, value: float, message: str):
+def _advice(
+    scope: str, target: str, action: str, metric: str, value: float, message: str
+) -> dict[str, Any]:
     return {
         "scope": scope,
         "target": target,
