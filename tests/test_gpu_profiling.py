@@ -24,10 +24,15 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of the SmolLM2-135M shape."""
     path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
-    write_synthetic_model("smollm2-135m", path, seed=3, progress=False)
-    return Engine.load(Path(path), backend="cuda", n_ctx=128, mode="per-kernel-sync")
+    return write_synthetic_model("smollm2-135m", path, seed=3, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path) -> Engine:
+    return Engine.load(model, backend="cuda", n_ctx=128, mode="per-kernel-sync")
 
 
 def profile_decode(engine: Engine, mode: str, *, kernels: bool = False) -> dict:
@@ -90,12 +95,10 @@ def test_a_trace_of_graph_steps_has_cpu_launches_and_the_timed_steps_kernels(eng
     assert {"rf_attention", "rf_argmax_advance", "rf_gemv_q4_0_b1_n1_swiglu"} <= names
 
 
-def test_the_daemon_switches_profiling_on_and_serves_its_tables_and_trace(tmp_path):
+def test_the_daemon_switches_profiling_on_and_serves_its_tables_and_trace(model):
     from clients.rocforge_client import connect
     from rocforge_rt.server.daemon import Daemon, DaemonConfig
 
-    model = tmp_path / "smollm2-shape.gguf"
-    write_synthetic_model("smollm2-135m", model, seed=3, progress=False)
     config = DaemonConfig(model=model, backend="cuda", bind="tcp://127.0.0.1:*", ctx_size=128,
                           max_sessions=2)  # fmt: skip
     with Daemon(config) as daemon, connect(daemon.endpoint, timeout=60) as client:

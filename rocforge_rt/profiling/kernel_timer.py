@@ -7,8 +7,7 @@ same ones the graph holds) and brackets every launch with two events. After
 the step's final synchronization, `finish_step` reads the event times and keeps
 a `TimedStep`: each kernel's start (from the step's first event) and duration,
 the GPU-busy time (the sum of the durations: one stream runs one kernel at a
-time) and the gaps between kernels (the span minus the busy time), which is
-where the device waited for the host.
+time) and the gaps between kernels (the span minus the busy time).
 
 The backend queues a timed step behind a closed gate and opens it once the whole
 step is queued (except in per-kernel-sync mode, where every kernel starts on an
