@@ -1,255 +1,380 @@
-// Decode/prefill attention over the fp16 KV pool, split across blocks
-// (flash-decoding) with grouped-query heads; the last split block to finish
-// combines the partial results.
+// Attention over the fp16 KV pool with grouped-query heads: a decode kernel (few tokens,
+// any slots, split across blocks) and a prefill kernel (a prompt chunk of one slot, each
+// K/V row read once for several queries and heads). Both compute every (token, head)
+// output with the same arithmetic, so a token gives bit-identical results through either:
+//
+//   The context 0..L-1 (L = position + 1) goes in pieces of RF_ATTN_PIECE = 32 positions,
+//   lane j of a warp holding position 32 p + j of piece p. Lane j scores its position:
+//   four chains a_e = fmaf(q[c], k[c], a_e) over c = e, e + 4, ... (from 0), and
+//   score = ((a_0 + a_1) + (a_2 + a_3)) * scale; m_p = the warp maximum of the scores,
+//   w_j = expf(score_j - m_p) (0 past L), l_p = the butterfly sum of w over the lanes
+//   (rf_warp_sum); acc_p[c] = b_0 + b_1 with chains b_i = fmaf(w_j, v_j[c], b_i) over the
+//   piece's positions j = i, i + 2, ... (from 0). A state (M, Lsum, A) starts at
+//   (-inf, 0, 0) and takes in a part (m, l, acc) by the fold
+//     M' = fmaxf(M, m), alpha = expf(M - M'), beta = expf(m - M'),
+//     Lsum = fmaf(l, beta, Lsum * alpha), A[c] = fmaf(acc[c], beta, A[c] * alpha).
+//   Pieces fold in order into their segment's state (RF_ATTN_SEGMENT pieces a segment);
+//   segment states fold in order into the total, and the output is A[c] / Lsum. (A fold
+//   into the start state gives the part itself: one piece is acc / l.)
 //
 // q        fp32 [n_tokens, n_head, d]   (d = head dim, dk == dv here, d <= 128, d % 32 == 0)
 // k_cache, v_cache fp16 [n_slots, n_ctx, n_kv, d] of this layer
 // positions, slots int32 [n_tokens]: token t attends to cache positions 0..positions[t]
 //                  of slot slots[t] (step state, read on the device)
-// partial  fp32 [n_tokens, n_head, n_splits, d + 2]: (m, l, acc[d]) per split
-// counters uint32 [n_tokens, n_kv], zero before the first launch; the combining
-//          block resets its counter, so every launch (and graph replay) starts at 0
 // out      fp32 [n_tokens, n_head * d]
 //
-// One block per (KV head, token, split) serves the KV head's group of query heads,
-// so each K and V row is read once per group. Inside a split, positions go in tiles
-// of RF_ATTN_THREADS: each thread loads one position's K and V rows (V into shared
-// memory) and scores the position against every head of the group (a dot product
-// over d, in order); the block takes each head's tile maximum and sum, and each
-// thread then accumulates its (head, element) outputs over the tile's positions in
-// order, with an online softmax across tiles. Every token's result depends only on
-// its own query and cache, in a fixed order, so a token gives the same output in a
-// decode step and in a prompt chunk.
-//
-// Launch: grid (n_kv, n_tokens, n_splits), block RF_ATTN_THREADS. The grid is
-// sized for the whole context. A token whose positions fit in the first split
-// (a short context) is finished by that split's block alone, and the other blocks
-// exit; otherwise a split past the token's length writes an empty partial
-// (m = -inf, l = 0) and still counts toward the combine, which gives the same
-// result as the single-split path when one split holds every position.
+// rf_attention_decode: a block a segment of one (head, token), a warp a piece: each lane
+//   loads its key row, the warp stages its piece's value rows in shared memory, all loads
+//   in flight at once; the block's first warp folds the segment. A context of one segment
+//   is finished there; otherwise each block writes its segment state to `partial`
+//   [n_tokens, n_head, max_segments, d + 2] (M, Lsum, A) and the last block of the
+//   (token, head) to finish folds them all (counters uint32 [n_tokens, n_head], zero before
+//   the first launch, reset by that block). The grid is sized for the whole context;
+//   blocks past the token's last segment exit.
+//   Launch: grid (n_head, n_tokens, max_segments), block RF_ATTN_SEGMENT * warp size.
+// rf_attention_prefill: the tokens of one slot (a prompt chunk); a block takes one KV
+//   head and RF_ATTN_PREFILL_TOKENS tokens, a warp one (token, head of the group). The
+//   block stages each piece's K and V rows in shared memory once for all its warps; each
+//   warp folds its pieces into the segment state and each finished segment into the
+//   total, whose A it keeps in `out` until the end.
+//   Launch: grid (n_kv, ceil(n_tokens / RF_ATTN_PREFILL_TOKENS)),
+//           block RF_ATTN_PREFILL_TOKENS * group * warp size.
 #include "rf_portability.h"
 
-#define RF_ATTN_THREADS 128
-#define RF_ATTN_WARPS (RF_ATTN_THREADS / RF_WARP_SIZE)
+#define RF_ATTN_PIECE 32  // positions a piece: lanes 0..31 (a wave64 leaves 32..63 idle)
+#define RF_ATTN_SEGMENT 4  // pieces a segment
+#define RF_ATTN_PREFILL_TOKENS (128 / RF_WARP_SIZE)  // up to 1024 threads with group 8
 #define RF_ATTN_MAX_GROUP 8
 #define RF_ATTN_MAX_D 128
-#define RF_ATTN_OUT_PER_THREAD (RF_ATTN_MAX_GROUP * RF_ATTN_MAX_D / RF_ATTN_THREADS)
+#define RF_ATTN_MAX_PER_LANE (RF_ATTN_MAX_D / RF_ATTN_PIECE)  // output elements a lane holds
+#define RF_ATTN_PITCH (RF_ATTN_MAX_D + 8)  // staged key row pitch in halves (16-byte aligned)
+
+static_assert(RF_WARP_SIZE % RF_ATTN_PIECE == 0, "a piece fits in a warp");
 
 struct alignas(16) rf_attn_u32x4 {
     uint32_t v[4];
 };
+struct alignas(16) rf_attn_f32x4 {
+    float v[4];
+};
 
-// v[g] for a run-time g, without indexing a register array at run time.
-RF_DEVICE_INLINE float rf_attn_pick(const float v[RF_ATTN_MAX_GROUP], int g) {
-    float r = v[0];
+// One piece's value rows (and, for the prefill kernel, key rows) in shared memory, fp16.
+struct rf_attn_values {
+    uint16_t v[RF_ATTN_PIECE][RF_ATTN_MAX_D];
+};
+struct rf_attn_tile {
+    uint16_t k[RF_ATTN_PIECE][RF_ATTN_PITCH];
+    rf_attn_values values;
+};
+
+// A fold state (or a part to fold in) of one head: this lane's share of (M, Lsum, A).
+struct rf_attn_state {
+    float m;
+    float l;
+    float a[RF_ATTN_MAX_PER_LANE];
+};
+
+RF_DEVICE_INLINE void rf_attn_start(rf_attn_state& s) {
+    s.m = -RF_INFINITY;
+    s.l = 0.0f;
 #pragma unroll
-    for (int h = 1; h < RF_ATTN_MAX_GROUP; ++h) {
-        r = g == h ? v[h] : r;
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        s.a[e] = 0.0f;
     }
-    return r;
 }
 
-// Per-head maximum (MAX = true) or sum of v[g] over the block, in a fixed order:
-// a butterfly in each warp, then the warps in order. Every thread gets the results.
-template <bool MAX>
-RF_DEVICE_INLINE void rf_attn_block_reduce(float v[RF_ATTN_MAX_GROUP], int group,
-                                           float (*scratch)[RF_ATTN_WARPS]) {
-    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
+// The fold of a part into a state (see the top).
+RF_DEVICE_INLINE void rf_attn_fold(rf_attn_state& s, const rf_attn_state& part) {
+    const float m_new = fmaxf(s.m, part.m);
+    const float alpha = expf(s.m - m_new), beta = expf(part.m - m_new);
+    s.l = fmaf(part.l, beta, s.l * alpha);
 #pragma unroll
-    for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-        if (g < group) {
-            const float w = MAX ? rf_warp_max(v[g]) : rf_warp_sum(v[g]);
-            if (lane == 0) {
-                scratch[g][warp] = w;
-            }
-        }
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        s.a[e] = fmaf(part.a[e], beta, s.a[e] * alpha);
     }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-        if (g < group) {
-            float r = scratch[g][0];
-#pragma unroll
-            for (int w = 1; w < RF_ATTN_WARPS; ++w) {
-                r = MAX ? fmaxf(r, scratch[g][w]) : r + scratch[g][w];
-            }
-            v[g] = r;
-        }
-    }
-    __syncthreads();  // scratch is reused by the next reduction
+    s.m = m_new;
 }
 
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
-                  const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
-                  const int32_t* RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, int d,
-                  float scale, int split_len, float* RF_RESTRICT partial,
-                  uint32_t* RF_RESTRICT counters, float* RF_RESTRICT out) {
-    __shared__ float s_q[RF_ATTN_MAX_GROUP][RF_ATTN_MAX_D];
-    __shared__ float s_p[RF_ATTN_MAX_GROUP][RF_ATTN_THREADS];  // scores, then weights
-    __shared__ __align__(16) uint16_t s_v[RF_ATTN_THREADS][RF_ATTN_MAX_D];  // the tile's V rows
-    __shared__ float s_reduce[RF_ATTN_MAX_GROUP][RF_ATTN_WARPS];
-    __shared__ bool s_last;
-
-    const int kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
-    const int group = n_head / n_kv;
-    const int tid = threadIdx.x;
-    const int length = positions[t] + 1;
-    const int start = split * split_len;
-    const int end = min(start + split_len, length);
-    const int64_t kv_stride = (int64_t)n_kv * d;
-    const int64_t slot_base = (int64_t)slots[t] * n_ctx * kv_stride + (int64_t)kvh * d;
-    const int n_out = group * d;  // this block's outputs: (head g, element c) = g * d + c
-    const bool single = length <= split_len;  // the first split holds every position
-    if (single && split > 0) {
-        return;
-    }
-
-    for (int i = tid; i < n_out; i += RF_ATTN_THREADS) {
-        s_q[i / d][i % d] = q[((int64_t)t * n_head + kvh * group) * d + i];
-    }
-    float m[RF_ATTN_MAX_GROUP], l[RF_ATTN_MAX_GROUP], acc[RF_ATTN_OUT_PER_THREAD];
+// Copy rows [0, rows) (rows <= RF_ATTN_PIECE) of fp16 (`stride` halves apart from `src`)
+// into shared rows of `pitch` halves; threads first .. first + n_threads - 1 take part,
+// every load issued before the first store. d <= RF_ATTN_MAX_D; n_threads is at least
+// RF_ATTN_PIECE * RF_ATTN_MAX_D / 8 / MAX_EACH.
+template <int MAX_EACH>
+RF_DEVICE_INLINE void rf_attn_copy_rows(uint16_t* dst, int pitch, const uint16_t* src,
+                                        int64_t stride, int rows, int d, int first,
+                                        int n_threads) {
+    const int per_row = d / 8, n = rows * per_row;
+    rf_attn_u32x4 raw[MAX_EACH];
 #pragma unroll
-    for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-        m[g] = -RF_INFINITY;
-        l[g] = 0.0f;
-    }
-#pragma unroll
-    for (int o = 0; o < RF_ATTN_OUT_PER_THREAD; ++o) {
-        acc[o] = 0.0f;
-    }
-    __syncthreads();
-
-    for (int tile = start; tile < end; tile += RF_ATTN_THREADS) {
-        const int n_pos = min(RF_ATTN_THREADS, end - tile);
-        // Scores of this thread's position, one per head of the group.
-        float s[RF_ATTN_MAX_GROUP];
-#pragma unroll
-        for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-            s[g] = 0.0f;
+    for (int u = 0; u < MAX_EACH; ++u) {
+        const int i = (int)threadIdx.x - first + u * n_threads;
+        if (i < n) {
+            raw[u] = *(const rf_attn_u32x4*)(src + (int64_t)(i / per_row) * stride +
+                                             (i % per_row) * 8);
         }
-        if (tid < n_pos) {
-            const int64_t row = slot_base + (int64_t)(tile + tid) * kv_stride;
-            const uint16_t* krow = k_cache + row;
-            const uint16_t* vrow = v_cache + row;
-#pragma unroll 4
-            for (int c = 0; c < d; c += 8) {
-                *(rf_attn_u32x4*)&s_v[tid][c] = *(const rf_attn_u32x4*)(vrow + c);
+    }
+#pragma unroll
+    for (int u = 0; u < MAX_EACH; ++u) {
+        const int i = (int)threadIdx.x - first + u * n_threads;
+        if (i < n) {
+            *(rf_attn_u32x4*)(dst + (i / per_row) * pitch + (i % per_row) * 8) = raw[u];
+        }
+    }
+}
+
+// One piece of one (token, head) (the arithmetic at the top): this lane's part of
+// (m, l, acc). `key8(c)` gives keys c..c+7 of this lane's position as a raw 16-byte
+// load; `values` holds the piece's rows, the first n_valid the token's; q_head holds the
+// head's q (shared memory, 16-byte aligned).
+template <typename Key8>
+RF_DEVICE_INLINE void rf_attn_piece(Key8 key8, const rf_attn_values& values, int n_valid,
+                                    const float* q_head, int d, float scale,
+                                    rf_attn_state& part) {
+    const int lane = threadIdx.x % RF_WARP_SIZE, per_lane = d / RF_ATTN_PIECE;
+    const bool valid = lane < n_valid;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < RF_ATTN_MAX_D; c += 8) {
+        if (c < d) {
+            const rf_attn_u32x4 raw = key8(c);
+            const rf_attn_f32x4 q0 = *(const rf_attn_f32x4*)(q_head + c);
+            const rf_attn_f32x4 q1 = *(const rf_attn_f32x4*)(q_head + c + 4);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float k = rf_half_to_float((uint16_t)(raw.v[e / 2] >> (16 * (e % 2))));
+                a[e % 4] = fmaf(e < 4 ? q0.v[e] : q1.v[e - 4], k, a[e % 4]);
             }
-#pragma unroll 4
-            for (int c = 0; c < d; c += 8) {
-                const rf_attn_u32x4 raw = *(const rf_attn_u32x4*)(krow + c);  // 8 halves
+        }
+    }
+    const float score = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+    part.m = rf_warp_max(valid ? score : -RF_INFINITY);
+    const float w = valid ? expf(score - part.m) : 0.0f;
+    part.l = rf_warp_sum(w);
+    float b[2][RF_ATTN_MAX_PER_LANE];
 #pragma unroll
-                for (int h = 0; h < 8; ++h) {
-                    const float kv = rf_half_to_float((uint16_t)(raw.v[h / 2] >> (16 * (h % 2))));
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        b[0][e] = 0.0f;
+        b[1][e] = 0.0f;
+    }
+    const uint16_t* v_col = &values.v[0][lane < RF_ATTN_PIECE ? lane * per_lane : 0];
+#pragma unroll 2
+    for (int j = 0; j < n_valid; j += 2) {
 #pragma unroll
-                    for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-                        if (g < group) {
-                            s[g] = fmaf(s_q[g][c + h], kv, s[g]);
-                        }
+        for (int i = 0; i < 2; ++i) {
+            if (j + i < n_valid) {
+                const float wj = rf_shfl(w, j + i, RF_WARP_SIZE);
+#pragma unroll
+                for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+                    if (e < per_lane) {
+                        const float v = rf_half_to_float(v_col[(j + i) * RF_ATTN_MAX_D + e]);
+                        b[i][e] = fmaf(wj, v, b[i][e]);
                     }
                 }
             }
         }
-        float tile_max[RF_ATTN_MAX_GROUP];
-#pragma unroll
-        for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-            s[g] *= scale;
-            tile_max[g] = tid < n_pos ? s[g] : -RF_INFINITY;
-        }
-        rf_attn_block_reduce<true>(tile_max, group, s_reduce);
-        float weight_sum[RF_ATTN_MAX_GROUP], correction[RF_ATTN_MAX_GROUP];
-#pragma unroll
-        for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-            if (g < group) {
-                const float m_new = fmaxf(m[g], tile_max[g]);  // finite: the tile has a position
-                correction[g] = expf(m[g] - m_new);           // 0 on the first tile
-                m[g] = m_new;
-                const float w = tid < n_pos ? expf(s[g] - m_new) : 0.0f;
-                s_p[g][tid] = w;
-                weight_sum[g] = w;
-            }
-        }
-        rf_attn_block_reduce<false>(weight_sum, group, s_reduce);  // also publishes s_p
-#pragma unroll
-        for (int g = 0; g < RF_ATTN_MAX_GROUP; ++g) {
-            if (g < group) {
-                l[g] = l[g] * correction[g] + weight_sum[g];
-            }
-        }
-        // This thread's outputs over the tile's positions, in order.
-#pragma unroll
-        for (int o = 0; o < RF_ATTN_OUT_PER_THREAD; ++o) {
-            const int i = tid + o * RF_ATTN_THREADS;
-            if (i < n_out) {
-                const int g = i / d, c = i % d;
-                float a = acc[o] * rf_attn_pick(correction, g);
-#pragma unroll 8
-                for (int p = 0; p < n_pos; ++p) {
-                    a = fmaf(s_p[g][p], rf_half_to_float(s_v[p][c]), a);
-                }
-                acc[o] = a;
-            }
-        }
-        __syncthreads();  // s_p is rewritten by the next tile
     }
-
-    if (single) {  // what the combine gives for one non-empty split: acc / l
 #pragma unroll
-        for (int o = 0; o < RF_ATTN_OUT_PER_THREAD; ++o) {
-            const int i = tid + o * RF_ATTN_THREADS;
-            if (i < n_out) {
-                out[((int64_t)t * n_head + kvh * group) * d + i] = acc[o] / rf_attn_pick(l, i / d);
-            }
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        part.a[e] = b[0][e] + b[1][e];
+    }
+}
+
+// A state's share for this lane <-> (M, Lsum, A[d]) in memory.
+RF_DEVICE_INLINE void rf_attn_save(float* dst, const rf_attn_state& s, int d, int lane) {
+    const int per_lane = d / RF_ATTN_PIECE;
+#pragma unroll
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        if (lane < RF_ATTN_PIECE && e < per_lane) {
+            dst[2 + lane * per_lane + e] = s.a[e];
         }
+    }
+    if (lane == 0) {
+        dst[0] = s.m;
+        dst[1] = s.l;
+    }
+}
+RF_DEVICE_INLINE void rf_attn_load(const float* src, rf_attn_state& s, int d, int lane) {
+    const int per_lane = d / RF_ATTN_PIECE;
+    s.m = src[0];
+    s.l = src[1];
+#pragma unroll
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        s.a[e] = lane < RF_ATTN_PIECE && e < per_lane ? src[2 + lane * per_lane + e] : 0.0f;
+    }
+}
+
+// This lane's A elements <-> a head's d output floats, or A / Lsum into them.
+RF_DEVICE_INLINE void rf_attn_save_a(float* head, const rf_attn_state& s, int d, int lane,
+                                     bool divide) {
+    const int per_lane = d / RF_ATTN_PIECE;
+#pragma unroll
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        if (lane < RF_ATTN_PIECE && e < per_lane) {
+            head[lane * per_lane + e] = divide ? s.a[e] / s.l : s.a[e];
+        }
+    }
+}
+RF_DEVICE_INLINE void rf_attn_load_a(const float* head, rf_attn_state& s, int d, int lane) {
+    const int per_lane = d / RF_ATTN_PIECE;
+#pragma unroll
+    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
+        s.a[e] = lane < RF_ATTN_PIECE && e < per_lane ? head[lane * per_lane + e] : 0.0f;
+    }
+}
+
+// A decode warp hands its piece's part to the first warp in the place of the piece's
+// value rows, once it has read them.
+static_assert(sizeof(rf_attn_values) >= (RF_ATTN_MAX_D + 2) * sizeof(float),
+              "a piece's part fits where its value rows were");
+
+RF_KERNEL_BOUNDS(RF_ATTN_SEGMENT* RF_WARP_SIZE)
+void rf_attention_decode(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
+                         const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
+                         const int32_t* RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, int d,
+                         float scale, int max_segments, float* RF_RESTRICT partial,
+                         uint32_t* RF_RESTRICT counters, float* RF_RESTRICT out) {
+    __shared__ __align__(16) float s_q[RF_ATTN_MAX_D];
+    __shared__ __align__(16) rf_attn_values s_values[RF_ATTN_SEGMENT];
+    rf_pdl_begin();
+    const int head = blockIdx.x, t = blockIdx.y, segment = blockIdx.z;
+    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
+    const int kvh = head / (n_head / n_kv);
+    const int length = positions[t] + 1;
+    const int segment_len = RF_ATTN_SEGMENT * RF_ATTN_PIECE;
+    const int n_segments = (length + segment_len - 1) / segment_len;
+    if (segment >= n_segments) {
+        return;  // the whole block is past the context
+    }
+    const int first_piece = segment * RF_ATTN_SEGMENT;
+    const int n_pieces = min(RF_ATTN_SEGMENT, (length + RF_ATTN_PIECE - 1) / RF_ATTN_PIECE -
+                                                  first_piece);
+    const int start = (first_piece + warp) * RF_ATTN_PIECE;
+    const int n_valid = warp < n_pieces ? min(RF_ATTN_PIECE, length - start) : 0;
+    const int64_t kv_stride = (int64_t)n_kv * d;
+    const int64_t rows = (int64_t)slots[t] * n_ctx * kv_stride + (int64_t)start * kv_stride +
+                         (int64_t)kvh * d;
+    // This lane's key row and the piece's value rows, every load issued before any use.
+    rf_attn_u32x4 key[RF_ATTN_MAX_D / 8];
+    const uint16_t* k_row = k_cache + rows + (lane < n_valid ? lane : 0) * kv_stride;
+#pragma unroll
+    for (int c = 0; c < RF_ATTN_MAX_D; c += 8) {
+        key[c / 8] = c < d && lane < n_valid ? *(const rf_attn_u32x4*)(k_row + c) : rf_attn_u32x4{};
+    }
+    rf_attn_copy_rows<RF_ATTN_MAX_D / 8>(&s_values[warp].v[0][0], RF_ATTN_MAX_D, v_cache + rows,
+                                         kv_stride, n_valid, d, warp * RF_WARP_SIZE, RF_WARP_SIZE);
+    for (int i = threadIdx.x; i < d; i += RF_ATTN_SEGMENT * RF_WARP_SIZE) {
+        s_q[i] = q[((int64_t)t * n_head + head) * d + i];
+    }
+    __syncthreads();
+    rf_attn_state part;
+    float* mine = (float*)&s_values[warp];  // this piece's part, once its rows are read
+    if (n_valid > 0) {
+        rf_attn_piece([&](int c) { return key[c / 8]; }, s_values[warp], n_valid, s_q, d, scale,
+                      part);
+        rf_syncwarp();
+        rf_attn_save(mine, part, d, lane);
+    }
+    __syncthreads();
+    if (warp != 0) {
         return;
     }
-    // This split's partial: (m, l, acc) per head; an empty split gives (-inf, 0, 0).
-#pragma unroll
-    for (int o = 0; o < RF_ATTN_OUT_PER_THREAD; ++o) {
-        const int i = tid + o * RF_ATTN_THREADS;
-        if (i < n_out) {
-            const int g = i / d, c = i % d;
-            const int head = kvh * group + g;
-            float* part = partial + (((int64_t)t * n_head + head) * n_splits + split) * (d + 2);
-            part[2 + c] = acc[o];
-            if (c == 0) {
-                part[0] = rf_attn_pick(m, g);
-                part[1] = rf_attn_pick(l, g);
-            }
-        }
+    // The first warp folds the segment's pieces in order.
+    rf_attn_state state;
+    rf_attn_start(state);
+    for (int p = 0; p < n_pieces; ++p) {
+        rf_attn_load((const float*)&s_values[p], part, d, lane);
+        rf_attn_fold(state, part);
     }
-    // The last block of this (token, kv head) to finish combines every split.
+    float* out_head = out + ((int64_t)t * n_head + head) * d;
+    if (n_segments == 1) {  // the total is this segment's state
+        rf_attn_save_a(out_head, state, d, lane, true);
+        return;
+    }
+    float* parts = partial + ((int64_t)t * n_head + head) * max_segments * (d + 2);
+    rf_attn_save(parts + (int64_t)segment * (d + 2), state, d, lane);
+    // The last block of this (token, head) to finish folds every segment in order.
     __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        uint32_t* counter = counters + (int64_t)t * n_kv + kvh;
-        const uint32_t done = atomicAdd(counter, 1u);
-        s_last = done == (uint32_t)(n_splits - 1);
-        if (s_last) {
+    rf_syncwarp();
+    int last = 0;
+    if (lane == 0) {
+        uint32_t* counter = counters + (int64_t)t * n_head + head;
+        last = atomicAdd(counter, 1u) == (uint32_t)(n_segments - 1);
+        if (last) {
             *counter = 0u;
         }
     }
-    __syncthreads();
-    if (!s_last) {
+    if (!rf_shfl(last, 0, RF_WARP_SIZE)) {
         return;
     }
     __threadfence();
-    for (int e = tid; e < n_out; e += RF_ATTN_THREADS) {
-        const int g = e / d, c = e % d;
-        const int head = kvh * group + g;
-        const volatile float* parts = partial + ((int64_t)t * n_head + head) * n_splits * (d + 2);
-        float m_all = -RF_INFINITY;
-        for (int sp = 0; sp < n_splits; ++sp) {
-            m_all = fmaxf(m_all, parts[sp * (d + 2)]);
+    rf_attn_start(state);
+    for (int sg = 0; sg < n_segments; ++sg) {
+        rf_attn_load(parts + (int64_t)sg * (d + 2), part, d, lane);
+        rf_attn_fold(state, part);
+    }
+    rf_attn_save_a(out_head, state, d, lane, true);
+}
+
+RF_KERNEL_BOUNDS_ONE(RF_ATTN_PREFILL_TOKENS* RF_ATTN_MAX_GROUP* RF_WARP_SIZE)  // 1024
+void rf_attention_prefill(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
+                          const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
+                          const int32_t* RF_RESTRICT slots, int n_tokens, int n_ctx, int n_head,
+                          int n_kv, int d, float scale, float* RF_RESTRICT out) {
+    __shared__ __align__(16) float s_q[RF_ATTN_PREFILL_TOKENS * RF_ATTN_MAX_GROUP][RF_ATTN_MAX_D];
+    __shared__ __align__(16) rf_attn_tile s_tile;
+    rf_pdl_wait();
+    const int group = n_head / n_kv, n_threads = (int)blockDim.x;
+    const int kvh = blockIdx.x, first_token = blockIdx.y * RF_ATTN_PREFILL_TOKENS;
+    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
+    const int t = first_token + warp / group, head = kvh * group + warp % group;
+    const bool active = t < n_tokens;
+    const int length = active ? positions[t] + 1 : 0;
+    const int64_t kv_stride = (int64_t)n_kv * d;
+    const int64_t base = (int64_t)slots[first_token] * n_ctx * kv_stride + (int64_t)kvh * d;
+    // The tile's longest context: its last token's (a chunk's positions ascend).
+    const int last_token = min(first_token + RF_ATTN_PREFILL_TOKENS, n_tokens) - 1;
+    const int tile_length = positions[last_token] + 1;
+    if (active) {
+        for (int i = lane; i < d; i += RF_WARP_SIZE) {
+            s_q[warp][i] = q[((int64_t)t * n_head + head) * d + i];
         }
-        float num = 0.0f, den = 0.0f;
-        for (int sp = 0; sp < n_splits; ++sp) {
-            const float ms = parts[sp * (d + 2)];
-            const float w = ms == -RF_INFINITY ? 0.0f : expf(ms - m_all);
-            den += w * parts[sp * (d + 2) + 1];
-            num += w * parts[sp * (d + 2) + 2 + c];
+    }
+    // The total's A lives in this (token, head)'s output row until the end.
+    float* out_head = out + ((int64_t)t * n_head + head) * d;
+    rf_attn_state segment, part, total;
+    rf_attn_start(segment);
+    rf_attn_start(total);
+    for (int start = 0; start < tile_length; start += RF_ATTN_PIECE) {
+        __syncthreads();  // the previous piece's rows are no longer read
+        const int64_t rows = base + (int64_t)start * kv_stride;
+        const int staged = min(RF_ATTN_PIECE, tile_length - start);
+        // A block has at least 4 warps: four 16-byte pieces a thread at most.
+        rf_attn_copy_rows<4>(&s_tile.k[0][0], RF_ATTN_PITCH, k_cache + rows, kv_stride, staged, d,
+                             0, n_threads);
+        rf_attn_copy_rows<4>(&s_tile.values.v[0][0], RF_ATTN_MAX_D, v_cache + rows, kv_stride,
+                             staged, d, 0, n_threads);
+        __syncthreads();
+        if (!active || start >= length) {
+            continue;  // this token's context ends before the piece
         }
-        out[((int64_t)t * n_head + head) * d + c] = num / den;
+        const int n_valid = min(RF_ATTN_PIECE, length - start);
+        const uint16_t* k_row = s_tile.k[lane < n_valid ? lane : 0];
+        rf_attn_piece([&](int c) { return *(const rf_attn_u32x4*)(k_row + c); }, s_tile.values,
+                      n_valid, s_q[warp], d, scale, part);
+        rf_attn_fold(segment, part);
+        const int piece = start / RF_ATTN_PIECE;
+        if ((piece + 1) % RF_ATTN_SEGMENT == 0 || start + RF_ATTN_PIECE >= length) {
+            if (piece >= RF_ATTN_SEGMENT) {  // a total exists: its A is in out_head
+                rf_attn_load_a(out_head, total, d, lane);
+            }
+            rf_attn_fold(total, segment);
+            rf_attn_save_a(out_head, total, d, lane, false);
+            rf_attn_start(segment);
+        }
+    }
+    rf_pdl_launch_dependents();
+    if (active) {
+        rf_attn_load_a(out_head, total, d, lane);
+        rf_attn_save_a(out_head, total, d, lane, true);
     }
 }

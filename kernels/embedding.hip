@@ -47,6 +47,7 @@ template <float (*Value)(const uint8_t*, int)>
 RF_DEVICE_INLINE void rf_embed_rows(const uint8_t* RF_RESTRICT table, int64_t row_stride,
                                     int n_rows, int n_embd, const int32_t* RF_RESTRICT tokens,
                                     int n_tokens, float* RF_RESTRICT out) {
+    rf_pdl_begin();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_embd) {
         return;
@@ -87,6 +88,7 @@ RF_DEVICE_INLINE void rf_embed_split_rows(const uint8_t* RF_RESTRICT qs,
                                           const uint16_t* RF_RESTRICT d, int n_rows, int n_embd,
                                           const int32_t* RF_RESTRICT tokens, int n_tokens,
                                           float* RF_RESTRICT out) {
+    rf_pdl_begin();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_embd) {
         return;

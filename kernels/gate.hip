@@ -13,6 +13,7 @@
 #include "rf_portability.h"
 
 RF_KERNEL void rf_hold(const volatile uint32_t* flag, uint32_t target, uint32_t max_naps) {
+    rf_pdl_begin();
     for (uint32_t nap = 0; nap < max_naps && *flag < target; ++nap) {
         rf_sleep_briefly();
     }

@@ -62,6 +62,7 @@ RF_KERNEL_BOUNDS(RF_Q8_THREADS)
 void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
                          float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
     __shared__ float s_partial[RF_Q8_THREADS / RF_WARP_SIZE];
+    rf_pdl_begin();
     const int row = blockIdx.x;
     const int n_blocks = k / RF_QK;
     const float* xr = x + (int64_t)row * k;
@@ -184,6 +185,7 @@ RF_DEVICE_INLINE void rf_gemm(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                               const float* RF_RESTRICT xd, int n_rows, int epilogue,
                               const float* residual, float* out) {
     __shared__ rf_gemm_tiles s;
+    rf_pdl_begin();
     const int tid = threadIdx.x;
     const int n_blocks = k / RF_QK;
     const int m0 = blockIdx.x * RF_GEMM_TILE_M;

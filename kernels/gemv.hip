@@ -351,11 +351,18 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
 
     rf_weight_chunk<Format, NO, SWIGLU> w;
     if (g < n_groups) {
-        w.load(w_qs, w_d, n, n_blocks, g, 0, lane);  // in flight during the prologue
+        w.load(w_qs, w_d, n, n_blocks, g, 0, lane);  // in flight during the wait and prologue
     }
+    rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
     rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
 
-    for (; g < n_groups; g += stride) {
+    for (;; g += stride) {
+        if (g >= n_groups) {
+            // Let the next kernel launch only now: launched while this grid still fills
+            // the device, its blocks would crowd onto the first multiprocessors to free up.
+            rf_pdl_launch_dependents();
+            break;
+        }
         float total[NW][RCAP];
 #pragma unroll
         for (int j = 0; j < NW; ++j) {

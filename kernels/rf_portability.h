@@ -37,9 +37,13 @@ typedef unsigned long long uint64_t;
 // Declaration macros.
 //   RF_KERNEL void name(...)                  unmangled kernel entry point
 //   RF_KERNEL_BOUNDS(256) void name(...)      same, with a max block size
+//   RF_KERNEL_BOUNDS_ONE(1024) void name(...) same, and registers for one such block a
+//                                             multiprocessor (not a guess of two)
 //   RF_DEVICE_INLINE T helper(...)            device-only inline helper
 #define RF_KERNEL extern "C" __global__
 #define RF_KERNEL_BOUNDS(max_threads) extern "C" __global__ __launch_bounds__(max_threads)
+#define RF_KERNEL_BOUNDS_ONE(max_threads) \
+    extern "C" __global__ __launch_bounds__(max_threads, 1)
 #define RF_DEVICE_INLINE static __device__ __forceinline__
 #define RF_RESTRICT __restrict__
 
@@ -80,6 +84,12 @@ RF_DEVICE_INLINE int rf_float_as_int(float v) {
 // Idle the calling wave for a few microseconds (polling loops).
 RF_DEVICE_INLINE void rf_sleep_briefly() {
     __builtin_amdgcn_s_sleep(127);
+}
+
+// Every lane of the wavefront reaches this point before any goes on (lanes run in
+// lockstep on AMD: this keeps the compiler from moving memory accesses across it).
+RF_DEVICE_INLINE void rf_syncwarp() {
+    __builtin_amdgcn_wave_barrier();
 }
 
 // No int8 matrix instruction is used on AMD yet: rf_mma_s8_m16n8k32 below is
@@ -156,6 +166,12 @@ RF_DEVICE_INLINE void rf_sleep_briefly() {
     __nanosleep(2000);
 }
 
+// Every lane of the warp reaches this point (and its memory accesses before it are
+// ordered for the warp) before any goes on.
+RF_DEVICE_INLINE void rf_syncwarp() {
+    __syncwarp();
+}
+
 // c += A * B on the int8 tensor cores (sm_80+), over one warp: see
 // rf_mma_s8_m16n8k32 below for the fragment layout.
 #define RF_HAS_MMA_S8 1
@@ -174,6 +190,37 @@ RF_DEVICE_INLINE int rf_dp4a(int a, int b, int c) {
 #else
 #error "rf_portability.h: unsupported compiler (expected hiprtc/HIP-Clang or NVRTC)"
 #endif
+
+// ---------------------------------------------------------------------------
+// Programmatic dependent launch (NVIDIA sm_90 and newer; nothing elsewhere).
+//
+// A kernel the host launches with the overlap attribute (Driver.prepare_launch,
+// overlap=True) may start while the kernel before it in the stream still runs, so
+// that its launch and its first weight loads hide behind that kernel's tail.
+//   rf_pdl_wait()              blocks until the previous kernel has finished and its
+//                              writes are visible. Every kernel calls it before it reads
+//                              anything an earlier kernel of the step writes, and before
+//                              it writes anything; before it, only weights may be read.
+//   rf_pdl_launch_dependents() lets the next kernel in the stream start launching.
+// Without the attribute (and on AMD) both are no-ops and stream order holds as usual.
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+RF_DEVICE_INLINE void rf_pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+RF_DEVICE_INLINE void rf_pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+#else
+RF_DEVICE_INLINE void rf_pdl_wait() {}
+RF_DEVICE_INLINE void rf_pdl_launch_dependents() {}
+#endif
+
+// The prologue of a kernel that reads nothing before waiting: let the next kernel
+// launch, then wait for the previous one.
+RF_DEVICE_INLINE void rf_pdl_begin() {
+    rf_pdl_launch_dependents();
+    rf_pdl_wait();
+}
 
 // ---------------------------------------------------------------------------
 // Vendor-neutral helpers built on the primitives above.

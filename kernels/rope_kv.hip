@@ -16,6 +16,7 @@ void rf_rope_kv_append(const float* RF_RESTRICT qkv, float* RF_RESTRICT q_out,
                        const int32_t* RF_RESTRICT positions, const int32_t* RF_RESTRICT slots,
                        const float* RF_RESTRICT cos_table, const float* RF_RESTRICT sin_table,
                        int n_head, int n_kv, int dk, int dv, int rope_dims, int n_ctx) {
+    rf_pdl_begin();
     const int t = blockIdx.x;
     rf_rope_out r;
     r.positions = positions;

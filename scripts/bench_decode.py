@@ -2,7 +2,8 @@
 """Decode and prompt throughput of one model, per step mode, optionally beside llama.cpp.
 
 Decode tokens/s: greedy batch-1 generation of --n-decode tokens after a 1-token
-prompt (llama-bench's tg128). Prompt tokens/s: prefill of --n-prompt tokens
+prompt (llama-bench's tg128); the same sampled at temperature 0.8, top-k 40, top-p
+0.95 (the device sampler's cost). Prompt tokens/s: prefill of --n-prompt tokens
 (llama-bench's pp512). Each figure is the median of --repeats runs after a
 warm-up. With --llamacpp PATH-TO-llama-bench, llama-bench runs on the same
 file in the same run and the ratios are printed. Results go to --out as JSON.
@@ -17,10 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rocforge_rt.backends import resolve_backend_name
 from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.sampling import SamplingParams
 from rocforge_rt.profiling.workloads import decode_tokens_per_s, prompt_tokens_per_s
 
 MODES = ("per-kernel-sync", "deferred", "graph")
+# A typical chat setting, for the sampled decode figure (the device sampler's cost).
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
 
 
 def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:
@@ -46,27 +51,37 @@ def arg_cache_off_step_stats(engine: Engine, n_decode: int, rng: np.random.Gener
         set_arg_cache_enabled(True)
 
 
-def bench_mode(args: argparse.Namespace, mode: str | None) -> dict[str, object]:
-    options = {"mode": mode} if mode else {}
+def bench_mode(
+    args: argparse.Namespace, mode: str | None, overlap: bool = True
+) -> dict[str, object]:
+    options = {"mode": mode, "overlap": overlap} if mode else {}
     n_ctx = args.n_prompt + args.n_decode + 8
     engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
     rng = np.random.default_rng(0)
     decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
-    prompt_tokens_per_s(engine, min(args.n_prompt, 64), rng)
+    decode_tokens_per_s(engine, 8, rng, SAMPLED)  # ... and the sampling step's graph
+    prompt_tokens_per_s(engine, args.n_prompt, rng)  # the prompt's launch handles, too
     decode = [decode_tokens_per_s(engine, args.n_decode, rng) for _ in range(args.repeats)]
+    sampled = [
+        decode_tokens_per_s(engine, args.n_decode, rng, SAMPLED) for _ in range(args.repeats)
+    ]
     prompt = [prompt_tokens_per_s(engine, args.n_prompt, rng) for _ in range(args.repeats)]
     result: dict[str, object] = {
         "decode_tokens_per_s": statistics.median(decode),
+        "decode_sampled_tokens_per_s": statistics.median(sampled),
         "prompt_tokens_per_s": statistics.median(prompt),
         "decode_runs": decode,
+        "decode_sampled_runs": sampled,
         "prompt_runs": prompt,
         "device": engine.backend.device_info(),
         "decode_step": decode_step_stats(engine, args.n_decode, rng),
     }
     if mode == "deferred":  # host cost of issuing a step, with and without the arg cache
         result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(engine, args.n_decode, rng)
+    label = (mode or engine.backend.name) + ("" if overlap else " (no overlap)")
     print(
-        f"{mode or engine.backend.name:>16}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
+        f"{label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
+        f" (sampled {result['decode_sampled_tokens_per_s']:9.1f})"
         f" | prompt {result['prompt_tokens_per_s']:10.1f} tok/s",
         file=sys.stderr,
     )
@@ -94,16 +109,21 @@ def main() -> int:
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
+    parser.add_argument(
+        "--overlap-ab",
+        action="store_true",
+        help="also run each GPU mode without programmatic dependent launch",
+    )
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
 
-    probe = Engine.load(args.model, backend=args.backend, n_ctx=64)
-    on_gpu = probe.backend.name != "cpu"
-    del probe
+    on_gpu = resolve_backend_name(args.backend) != "cpu"
     modes = (args.mode or list(MODES)) if on_gpu else [None]
     report: dict[str, object] = {"model": args.model, "backend": args.backend, "modes": {}}
     for mode in modes:
         report["modes"][mode or "cpu"] = bench_mode(args, mode)
+        if mode and args.overlap_ab:
+            report["modes"][f"{mode} (no overlap)"] = bench_mode(args, mode, overlap=False)
     if args.llamacpp:
         peer = llama_bench(args.llamacpp, args.model, args.n_prompt, args.n_decode)
         report["llamacpp"] = peer
@@ -113,7 +133,7 @@ def main() -> int:
         }
         for name, ratio in report["ratios"].items():
             decode, prompt = ratio["decode_tokens_per_s"], ratio["prompt_tokens_per_s"]
-            print(f"{name:>16}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
+            print(f"{name:>28}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
                   file=sys.stderr)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

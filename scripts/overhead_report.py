@@ -147,11 +147,14 @@ def main() -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--n-decode", type=int, default=128)
     parser.add_argument("--every", type=int, default=4, help="time every Nth step's kernels")
+    parser.add_argument(
+        "--mode", action="append", choices=MODES, help="step mode(s); all by default"
+    )
     parser.add_argument("--out", default="bench-results/overhead.json")
     args = parser.parse_args()
 
     report: dict[str, Any] = {"model": args.model, "n_decode": args.n_decode, "runs": []}
-    for mode in MODES:
+    for mode in args.mode or MODES:
         engine = Engine.load(args.model, backend=args.backend, n_ctx=args.n_decode + 64, mode=mode)
         if not hasattr(engine.backend, "launch_tracker"):
             print("overhead_report: needs a GPU backend (cuda or hip)", file=sys.stderr)
@@ -194,8 +197,10 @@ def main() -> int:
                 file=sys.stderr,
             )
         del engine
-    kernels = next(r for r in report["runs"] if r["mode"] == "deferred")["kernels"]
-    print(f"{'kernel (deferred)':<34}{'calls':>7}{'GPU us':>9}{'GPU us/step':>13}{'launch us':>11}",
+    table = next((r for r in report["runs"] if r["mode"] == "deferred"), report["runs"][0])
+    kernels = table["kernels"]
+    title = f"kernel ({table['mode']})"
+    print(f"{title:<34}{'calls':>7}{'GPU us':>9}{'GPU us/step':>13}{'launch us':>11}",
           file=sys.stderr)  # fmt: skip
     for name, row in sorted(kernels.items(), key=lambda kv: -kv[1].get("gpu_us_per_step", 0)):
         print(

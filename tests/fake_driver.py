@@ -86,7 +86,7 @@ class FakeDriver(Driver):
             raise BackendError("fakeModuleGetFunction failed: NOT_FOUND (500)")
         return name
 
-    def _api_launcher(self, function, grid, block, shared_bytes, stream, params_ptr):
+    def _api_launcher(self, function, grid, block, shared_bytes, stream, params_ptr, overlap):
         self.prepared.append((function, grid, block, shared_bytes, stream, params_ptr))
         types = self._kernels[function]
         pointers = (ctypes.c_void_p * len(types)).from_address(params_ptr)

@@ -89,7 +89,38 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
     got = gpu.to_host(gpu.attention(gpu.load_activation(q), 0, batch))
     expected = cpu.attention(q.reshape(3, n_head, head_dim), 0, batch)
     assert rel_error(got, expected) <= 1e-3
-    assert gpu.attn_splits > 1
+    assert gpu.attn_segments > 1
+
+
+@pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])
+@pytest.mark.parametrize("start", [0, 2963])
+def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_head, n_kv, start):
+    """A chunk's tokens through the prefill kernel (shared K/V tiles) give the bits the
+    decode kernel (splits across blocks) gives each of them, and follow the CPU."""
+    hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
+    n_ctx, n = 4096, 45
+    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=64)
+    cpu = CpuBackend(hp, 2, n_ctx)
+    rng = np.random.default_rng(start + head_dim + n_head)
+    keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
+    values = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
+    cpu.k_cache[0][:], cpu.v_cache[0][:] = keys, values
+    gpu.driver.copy_htod(gpu.k_cache[0], keys)
+    gpu.driver.copy_htod(gpu.v_cache[0], values)
+    q = rng.standard_normal((n, n_head * head_dim)).astype(np.float32)
+    chunk = StepBatch.prefill(list(range(n)), start, 1, "none")
+    gpu.write_step_state(chunk)
+    whole = gpu.to_host(gpu.attention(gpu.load_activation(q), 0, chunk))
+    assert rel_error(whole, cpu.attention(q.reshape(n, n_head, head_dim), 0, chunk)) <= 1e-3
+    pieces = []
+    for first in range(0, n, 8):
+        rows = range(first, min(first + 8, n))
+        step = StepBatch.decode(list(rows), [start + r for r in rows], [1] * len(rows))
+        gpu.write_step_state(step)
+        pieces.append(
+            gpu.to_host(gpu.attention(gpu.load_activation(q[first : first + 8]), 0, step))
+        )
+    assert np.array_equal(whole, np.concatenate(pieces))
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,8 @@ void rf_smoke_warp(const float* RF_RESTRICT x, float* sums, float* maxes, int32_
     if (v < 0.0f) {
         rf_sleep_briefly();
     }
+    rf_syncwarp();
+    rf_pdl_begin();
 }
 
 RF_KERNEL void rf_smoke_scalar(const int32_t* a, const int32_t* b, const uint16_t* h,
@@ -255,6 +257,55 @@ def test_vendor_conditionals_only_in_header() -> None:
     assert not {name: found for name, found in offenders.items() if found}
 
 
+def function_bodies(source: str) -> dict[str, str]:
+    """Each top-level function body (and function-like macro) of a source, by name.
+
+    A body is what a `{` at brace depth 0 encloses; its name is the identifier
+    before the parameter list that precedes the brace. Comments are dropped.
+    """
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    bodies: dict[str, str] = {}
+    depth, start = 0, 0
+    for i, char in enumerate(code):
+        if char == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                head = code[code.rfind(";", 0, start) + 1 : start]
+                name = re.search(
+                    r"(\w+)\s*(?:<[^()]*>)?\s*\([^()]*(?:\([^()]*\)[^()]*)*\)\s*$", head
+                )
+                if name:
+                    bodies[name.group(1)] = code[start:i]
+    for macro, body in re.findall(r"#\s*define\s+(\w+)\([^)]*\)((?:[^\n]*\\\n)*[^\n]*)", code):
+        bodies[macro] = body
+    return bodies
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_kernel_waits_for_the_previous_kernel(source: str) -> None:
+    """Kernels may be launched to overlap their predecessor (programmatic dependent
+    launch), so each must reach rf_pdl_wait/rf_pdl_begin, itself or through a helper."""
+    text = "\n".join(
+        (KERNELS / name).read_text() for name in (source, "rf_q8.h", "rf_rope.h", HEADER)
+    )
+    bodies = function_bodies(text)
+
+    def waits(name: str, seen: set[str]) -> bool:
+        body = bodies.get(name, "")
+        if re.search(r"\brf_pdl_(wait|begin)\(", body):
+            return True
+        seen.add(name)
+        called = set(re.findall(r"\b(\w+)\s*(?:<[^;{}()]*>)?\s*\(", body)) & set(bodies)
+        return any(waits(callee, seen) for callee in called - seen)
+
+    missing = [k for k in kernel_names((KERNELS / source).read_text()) if not waits(k, set())]
+    assert not missing, f"{source}: {missing} never call rf_pdl_wait"
+
+
 def includes(path: Path) -> list[str]:
     return re.findall(r'^\s*#\s*include\s*([<"][^>"]+[>"])', path.read_text(), re.M)
 
@@ -277,5 +328,6 @@ def test_kernel_names_ignore_comments() -> None:
     RF_KERNEL void first(int x) {}
     RF_KERNEL_BOUNDS(128)
     void second(const float* y) {}
+    RF_KERNEL_BOUNDS_ONE(1024) void third(int z) {}
     """
-    assert kernel_names(source) == ["first", "second"]
+    assert kernel_names(source) == ["first", "second", "third"]

@@ -1,17 +1,32 @@
-"""Sampling: greedy is argmax, seeds reproduce, top-k/top-p cut the candidates."""
+"""Sampling: greedy is argmax, seeds reproduce, top-k/top-p cut the candidates, draws
+follow the distribution, and the rules are the ones the device kernel implements."""
+
+import math
 
 import numpy as np
 import pytest
 
-from rocforge_rt.engine.sampling import Sampler, SamplingParams
+from rocforge_rt.engine.sampling import (
+    GREEDY,
+    RowSampling,
+    Sampler,
+    SamplingParams,
+    candidate_weights,
+    draw_bits,
+    mix64,
+    nucleus,
+    rank_order,
+    sample_row,
+)
 from rocforge_rt.errors import EngineError
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.0], dtype=np.float32)
 
 
-def draws(params: SamplingParams, n: int = 200) -> list[int]:
+def draws(params: SamplingParams, n: int = 200, logits: np.ndarray = LOGITS) -> list[int]:
+    """Tokens drawn at positions 1..n (each position keys one draw)."""
     sampler = Sampler(params)
-    return [sampler.sample(LOGITS).token for _ in range(n)]
+    return [sampler.sample(logits, position).token for position in range(1, n + 1)]
 
 
 def test_temperature_zero_is_argmax():
@@ -27,6 +42,17 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_differs():
     b = draws(SamplingParams(temperature=1.5, seed=7))
     c = draws(SamplingParams(temperature=1.5, seed=8))
     assert a == b and a != c
+
+
+def test_without_a_seed_each_turn_draws_its_own():
+    assert draws(SamplingParams(temperature=1.5)) != draws(SamplingParams(temperature=1.5))
+
+
+def test_a_draw_depends_on_seed_and_position_only():
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    first = [sampler.sample(LOGITS, p).token for p in (5, 9, 5)]
+    assert first[0] == first[2]
+    assert draw_bits(3, 5) == draw_bits(3, 5) != draw_bits(3, 6) != draw_bits(4, 5)
 
 
 def test_top_k_keeps_only_the_k_most_likely():
@@ -46,16 +72,70 @@ def test_sampled_frequencies_follow_the_softmax():
     assert np.allclose(freq, probs, atol=0.03)
 
 
+def test_temperature_sharpens_and_flattens():
+    cold = np.bincount(draws(SamplingParams(temperature=0.25, seed=1), 2000), minlength=5)
+    hot = np.bincount(draws(SamplingParams(temperature=4.0, seed=1), 2000), minlength=5)
+    assert cold[1] > 0.85 * 2000 and hot[1] < 0.45 * 2000
+
+
+def test_equal_logits_rank_by_token_id():
+    tied = np.array([0.5, 2.0, 2.0, -0.0, 0.0, 2.0], dtype=np.float32)
+    assert rank_order(tied).tolist() == [1, 2, 5, 0, 3, 4]
+    assert set(draws(SamplingParams(temperature=1.0, top_k=2, seed=2), 300, tied)) == {1, 2}
+
+
+def test_weights_are_exact_integers_and_the_nucleus_reaches_top_p():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(5000).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.8, top_k=100)
+    candidates, weights = candidate_weights(logits, params)
+    assert len(candidates) == 100 and weights.dtype == np.uint64
+    assert weights[0] == 2**40  # the best candidate weighs exp(0) * 2^40
+    assert np.all(np.diff(weights.astype(np.int64)) <= 0)  # ranked, so non-increasing
+    total = int(weights.sum())
+    kept = nucleus(weights, 0.9)
+    assert int(weights[:kept].sum()) >= math.ceil(0.9 * total) > int(weights[: kept - 1].sum())
+
+
 def test_logprobs_report_the_best_alternatives_in_order():
-    sampled = Sampler(SamplingParams(logprobs=3)).sample(LOGITS)
+    sampled = Sampler(SamplingParams(logprobs=3)).sample(LOGITS, 1)
     assert [t for t, _ in sampled.top] == [1, 2, 0]
     assert sampled.logprob == pytest.approx(sampled.top[0][1])
     assert sum(np.exp(lp) for _, lp in sampled.top) < 1.0
 
 
+def test_mix64_is_splitmix64():
+    # splitmix64's first output for state 0 is the finalizer applied to the golden gamma
+    assert mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+
+
+def test_row_sampling_carries_each_rows_parameters_and_seed():
+    sampler = Sampler(SamplingParams(temperature=0.5, top_k=40, top_p=0.9, seed=11, logprobs=2))
+    rows = RowSampling.of([GREEDY, sampler])
+    assert rows.rows == 2 and rows.needs_sampler
+    params, seed = rows.row(1)
+    assert (params.top_k, params.logprobs, seed) == (40, 2, 11)
+    assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9)
+    assert not RowSampling.greedy(3).needs_sampler
+    assert RowSampling.of([Sampler(SamplingParams(logprobs=1))]).needs_sampler
+
+
+def test_sample_row_is_what_a_sampler_draws():
+    params = SamplingParams(temperature=0.9, top_p=0.8, seed=5)
+    assert Sampler(params).sample(LOGITS, 4) == sample_row(LOGITS, params, 5, 4)
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": -0.1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"logprobs": 21}],
+    [
+        {"temperature": -0.1},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"logprobs": 21},
+        {"seed": -1},
+        {"seed": 1 << 64},
+    ],
 )
 def test_invalid_parameters_are_rejected_with_their_name(kwargs):
     with pytest.raises(EngineError, match=next(iter(kwargs))):

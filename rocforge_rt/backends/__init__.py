@@ -48,8 +48,9 @@ def device_memory_bytes(name: str) -> int:
 def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
 
-    Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens` and
-    `sync_each_launch` for the GPU backends.
+    Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens`, `mode`
+    (per-kernel-sync, deferred, graph) and `overlap` (programmatic dependent launch,
+    on by default where the device has it) for the GPU backends.
     """
     resolved = resolve_backend_name(name)
     if resolved == "cpu":

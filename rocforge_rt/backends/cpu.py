@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, quants
 from rocforge_rt.engine.batch import StepBatch
 from rocforge_rt.engine.forward import StepOutput
 from rocforge_rt.engine.rope import rope_tables
+from rocforge_rt.engine.sampling import sample_row
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 
@@ -80,10 +81,16 @@ class CpuBackend:
         self, batch: StepBatch, run_forward: Callable[[], np.ndarray], want_logits: bool
     ) -> StepOutput:
         logits = run_forward()
-        greedy = np.argmax(logits, axis=-1).astype(np.int32)
-        shifted = logits - logits.max(axis=-1, keepdims=True)
-        logprobs = -np.log(np.sum(np.exp(shifted, dtype=np.float64), axis=-1))
-        return StepOutput(greedy, logprobs.astype(np.float32), logits if want_logits else None)
+        picked = [
+            sample_row(row, *batch.sampling.row(r), int(position))
+            for r, (row, position) in enumerate(zip(logits, batch.draw_positions, strict=True))
+        ]
+        return StepOutput(
+            np.array([p.token for p in picked], dtype=np.int32),
+            np.array([p.logprob for p in picked], dtype=np.float32),
+            tuple(p.top for p in picked),
+            logits if want_logits else None,
+        )
 
     # --- weights -------------------------------------------------------------------
     def linear(self, *tensors: WeightTensor) -> np.ndarray:

@@ -149,6 +149,7 @@ class CudaDriver(Driver):
     """One NVIDIA device through the cuda-bindings driver API (its primary context)."""
 
     _launch_api = "cuLaunchKernel"
+    _overlap_launch_api = "cuLaunchKernelEx"
 
     def __init__(self, device_index: int = 0) -> None:
         cu = self._cu = _driver_api()
@@ -169,6 +170,8 @@ class CudaDriver(Driver):
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         )
         super().__init__(self._device_info())
+        # Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer.
+        self.supports_overlap = int(self.info.arch[3:].rstrip("af")) >= 90
 
     def _device_info(self) -> DeviceInfo:
         cu, dev = self._cu, self._device
@@ -276,11 +279,25 @@ class CudaDriver(Driver):
         shared_bytes: int,
         stream: Any,
         params_ptr: int,
+        overlap: bool,
     ) -> Callable[[], Any]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
-        return functools.partial(
-            self._cu.cuLaunchKernel, function, *grid, *block, shared_bytes, stream, params_ptr, 0
-        )
+        cu = self._cu
+        if not overlap:
+            return functools.partial(
+                cu.cuLaunchKernel, function, *grid, *block, shared_bytes, stream, params_ptr, 0
+            )
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared_bytes
+        config.hStream = stream
+        attribute = cu.CUlaunchAttribute()
+        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attribute]
+        config.numAttrs = 1
+        return functools.partial(cu.cuLaunchKernelEx, config, function, params_ptr, 0)
 
     def _api_begin_capture(self, stream: Any) -> None:
         check("cuStreamBeginCapture", self._cu.cuStreamBeginCapture(stream, self._capture_mode))

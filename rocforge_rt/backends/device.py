@@ -262,10 +262,14 @@ class Driver(ABC):
 
     A subclass's ``__init__`` initializes the API, makes the device current on
     the calling thread and then calls ``super().__init__(info)``; it names its
-    launch call in `_launch_api` for error messages.
+    launch calls in `_launch_api` and `_overlap_launch_api` for error messages.
     """
 
     _launch_api = "launch"
+    _overlap_launch_api = "launch"  # the call that launches with overlap, for error messages
+    # Whether kernels may be launched to overlap the previous kernel's tail (programmatic
+    # dependent launch; the kernels wait for it themselves, kernels/rf_portability.h).
+    supports_overlap = False
 
     def __init__(self, info: DeviceInfo) -> None:
         self.info = info
@@ -455,18 +459,24 @@ class Driver(ABC):
         shared_bytes: int,
         stream: Stream,
         params_ptr: int,
+        overlap: bool = False,
     ) -> Callable[[], None]:
         """A zero-argument launcher with every API argument bound once (the hot path).
 
         `params_ptr` is the address of the kernel's ``void*[]`` parameters; the
         driver copies what it points at on each call (and a captured launch keeps
-        its copy), so that memory may be rewritten between calls.
+        its copy), so that memory may be rewritten between calls. `overlap` asks for
+        programmatic dependent launch where the device supports it (`supports_overlap`):
+        the kernel must then call rf_pdl_wait() before it touches anything an earlier
+        kernel wrote.
         """
         self.check_thread()
+        overlap = overlap and self.supports_overlap
         call = self._api_launcher(
-            function.handle, grid, block, shared_bytes, stream.handle, params_ptr
+            function.handle, grid, block, shared_bytes, stream.handle, params_ptr, overlap
         )
-        api, counters = self._launch_api, self.counters
+        api = self._overlap_launch_api if overlap else self._launch_api
+        counters = self.counters
 
         def launch() -> None:
             if _get_ident() != self.owner_thread:
@@ -628,8 +638,13 @@ class Driver(ABC):
         shared_bytes: int,
         stream: Any,
         params_ptr: int,
+        overlap: bool,
     ) -> Callable[[], Any]:
-        """The launch API call with all arguments bound, returning its raw result tuple."""
+        """The launch API call with all arguments bound, returning its raw result tuple.
+
+        `overlap` (only passed True where `supports_overlap`): launch with programmatic
+        dependent launch, so the kernel may start before the previous one finishes.
+        """
 
     @abstractmethod
     def _api_begin_capture(self, stream: Any) -> None: ...

@@ -329,8 +329,10 @@ class HipDriver(Driver):
         shared_bytes: int,
         stream: Any,
         params_ptr: int,
+        overlap: bool,
     ) -> Callable[[], Any]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
+        # HIP has no programmatic dependent launch (supports_overlap is False): no overlap.
         return functools.partial(
             self._hip.hipModuleLaunchKernel,
             function,

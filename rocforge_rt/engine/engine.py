@@ -15,7 +15,7 @@ from rocforge_rt.backends import Backend, create_backend
 from rocforge_rt.engine.batch import StepBatch
 from rocforge_rt.engine.forward import ForwardOps, StepOutput, forward, upload_weights
 from rocforge_rt.engine.kv_cache import SlotAllocator
-from rocforge_rt.engine.sampling import SampledToken, Sampler, SamplingParams
+from rocforge_rt.engine.sampling import RowSampling, Sampler, SamplingParams
 from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.errors import EngineError
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
@@ -137,17 +137,13 @@ class Engine:
         )
 
     def _sample(self, sessions: Sequence[Session], batch: StepBatch) -> list[TokenEvent]:
-        """Run the step and let each session take its token (device argmax where greedy)."""
-        out = self._run(batch, any(s.sampler.params.needs_logits for s in sessions))
-        events = []
-        for row, session in enumerate(sessions):
-            if session.sampler.params.needs_logits:
-                sampled = session.sampler.sample(out.logits[row])
-            else:
-                token, logprob = int(out.greedy_tokens[row]), float(out.greedy_logprobs[row])
-                sampled = SampledToken(token, logprob, ())
-            events.append(session.accept(sampled))
-        return events
+        """Run the step (the backend samples each row) and let each session take its token."""
+        out = self._run(batch, False)
+        return [session.accept(out.sampled(row)) for row, session in enumerate(sessions)]
+
+    @staticmethod
+    def _sampling(sessions: Sequence[Session]) -> RowSampling:
+        return RowSampling.of([s.sampler for s in sessions])
 
     def prefill(
         self, session: Session, *, should_stop: Callable[[], bool] | None = None
@@ -165,7 +161,8 @@ class Engine:
                 return None
         start = session.n_past
         chunk = session.take_pending(len(session.pending))
-        (event,) = self._sample([session], StepBatch.prefill(chunk, start, session.slot))
+        batch = StepBatch.prefill(chunk, start, session.slot, sampling=self._sampling([session]))
+        (event,) = self._sample([session], batch)
         return event
 
     def decode(self, sessions: Sequence[Session]) -> list[TokenEvent]:
@@ -175,8 +172,9 @@ class Engine:
                 raise EngineError(f"session {s.session_id} is not ready to decode")
         positions = [s.n_past for s in sessions]
         tokens = [s.take_pending(1)[0] for s in sessions]
+        slots = [s.slot for s in sessions]
         return self._sample(
-            sessions, StepBatch.decode(tokens, positions, [s.slot for s in sessions])
+            sessions, StepBatch.decode(tokens, positions, slots, self._sampling(sessions))
         )
 
     def logits(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:

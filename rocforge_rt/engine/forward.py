@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.engine.sampling import SampledToken
 from rocforge_rt.model.gguf_file import ModelFile
 
 # Per layer, in order: the launches a decode step makes (DESIGN.md, launch budget).
@@ -50,14 +51,19 @@ class ModelWeights:
 class StepOutput:
     """What one forward step hands back to the host."""
 
-    greedy_tokens: np.ndarray  # int32 [B]: argmax of each logits row
-    greedy_logprobs: np.ndarray  # float32 [B]: log-softmax of that token
+    tokens: np.ndarray  # int32 [B]: the token each logits row picked (batch.sampling)
+    logprobs: np.ndarray  # float32 [B]: its log-softmax
+    top: tuple[tuple[tuple[int, float], ...], ...]  # per row, the alternatives asked for
     logits: np.ndarray | None  # float32 [B, n_vocab], when asked for
+
+    def sampled(self, row: int) -> SampledToken:
+        return SampledToken(int(self.tokens[row]), float(self.logprobs[row]), self.top[row])
 
 
 class StepRunner(Protocol):
     """How a backend runs one step: `run_forward` issues the forward's ops (eagerly, or
-    under capture for a graph), then the backend samples greedily and reads back."""
+    under capture for a graph), then the backend picks each logits row's token under
+    `batch.sampling` (engine/sampling.py's rules) and reads back."""
 
     def run_step(
         self, batch: StepBatch, run_forward: Callable[[], Any], want_logits: bool

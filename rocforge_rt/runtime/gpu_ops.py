@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from rocforge_rt.engine.batch import StepBatch
 from rocforge_rt.engine.forward import StepOutput
 from rocforge_rt.engine.rope import rope_tables
+from rocforge_rt.engine.sampling import MAX_LOGPROBS, ROW_PARAMS_DTYPE, RowSampling
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
@@ -49,18 +50,28 @@ GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-qua
 EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
 EMBED_THREADS = 256
 ROPE_THREADS = 256
-ATTN_THREADS = 128
+ATTN_SEGMENT = 128  # context positions a decode block takes (kernels/attention.hip)
+ATTN_DECODE_WARPS = 4  # RF_ATTN_SEGMENT: pieces of 32 positions a segment, one a warp
+ATTN_PREFILL_LANES = 128  # warp size x RF_ATTN_PREFILL_TOKENS (tokens a prefill block takes)
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 8, 128
 ARGMAX_THREADS = 256
 ARGMAX_SLICE = 2048  # vocabulary entries per argmax block (kernels/sampling.hip)
 ARGMAX_PART_BYTES = 12  # (max, index, sum) per slice
+ROW_STATS_BYTES = 8  # (max, log of the sum of exp) per logits row
+SAMPLE_THREADS = 1024
+SAMPLE_SLICE = 4096  # vocabulary entries per candidates block (kernels/sampling.hip)
+SAMPLE_CANDIDATES = 64  # best rank keys a slice keeps
+SAMPLE_MAX_SLICES = SAMPLE_SLICE // SAMPLE_CANDIDATES
 
 GEMV_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32", "i32", "ptr", "ptr")
 GEMV_ROPE_ARGS = GEMV_ARGS[:8] + ("ptr",) * 7 + ("i32",) * 5
 EMBED_ARGS = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr")
 ROPE_ARGS = ("ptr",) * 8 + ("i32",) * 6
-ATTN_ARGS = ("ptr",) * 5 + ("i32",) * 4 + ("f32", "i32", "ptr", "ptr", "ptr")
-ARGMAX_ARGS = ("ptr", "i32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
+ATTN_DECODE_ARGS = ("ptr",) * 5 + ("i32",) * 4 + ("f32", "i32", "ptr", "ptr", "ptr")
+ATTN_PREFILL_ARGS = ("ptr",) * 5 + ("i32",) * 5 + ("f32", "ptr")
+ARGMAX_ARGS = ("ptr", "i32") + ("ptr",) * 7 + ("i32",)
+CANDIDATE_ARGS = ("ptr", "i32") + ("ptr",) * 4
+SAMPLE_ARGS = ("ptr", "i32", "ptr", "ptr", "i32", "i32") + ("ptr",) * 8
 STEP_MODES = ("per-kernel-sync", "deferred", "graph")
 GATE_ARGS = ("ptr", "u32", "u32")
 GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
@@ -144,6 +155,7 @@ class GpuBackend:
         n_ctx: int,
         max_tokens: int = 512,
         mode: str = "graph",
+        overlap: bool = True,
     ) -> None:
         if mode not in STEP_MODES:
             raise BackendError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
@@ -154,6 +166,9 @@ class GpuBackend:
         self.n_ctx = n_ctx
         self.max_tokens = max_tokens
         self.mode = mode
+        # Programmatic dependent launch (where the driver supports it): each kernel may
+        # start while the previous one finishes, waiting inside for its results.
+        self.overlap = overlap and driver.supports_overlap
         self.stream = driver.create_stream()
         self._functions = self._load_kernels(KernelLibrary(compiler))
         self._handles: dict[tuple, LaunchHandle] = {}
@@ -163,8 +178,13 @@ class GpuBackend:
         self._timing: KernelTimer | None = None  # the timer while a timed step is issued
         self._gate = driver.alloc_pinned(4)  # the flag rf_hold waits on (device-readable)
         self._recording: list[LaunchHandle] | None = None  # handles launched under capture
-        self._graphs: dict[int, StepGraph] = {}  # decode graphs by batch size
-        self._device_state: tuple[bytes, bytes, bytes] | None = None  # what the step state holds
+        # Whether this step's launches overlap their predecessors: decode steps only. A prompt
+        # chunk's big grids, launched early into a busy device, would crowd a few
+        # multiprocessors (measured: SmolLM2 prefill 30% slower with it).
+        self._overlap_step = False
+        # Decode graphs by (batch size, whether a row samples beyond the argmax).
+        self._graphs: dict[tuple[int, bool], StepGraph] = {}
+        self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
         self._allocated: list[Any] = []
         hp = hparams
         f32 = 4
@@ -173,16 +193,32 @@ class GpuBackend:
         self.v_cache = [self._zeros(n_slots * n_ctx * hp.kv_dim_v * 2) for _ in range(hp.n_layer)]
         cos, sin = rope_tables(hp, n_ctx)
         self.rope_cos, self.rope_sin = self._upload(cos), self._upload(sin)
-        # Step state (read by kernels through pointers) and its pinned staging area.
+        # Step state (read by kernels through pointers) and its pinned staging areas:
+        # tokens, positions, KV slots, and each logits row's sampling parameters.
         self.step_tokens = self._zeros(max_tokens * 4)
         self.step_positions = self._zeros(max_tokens * 4)
         self.step_slots = self._zeros(max_tokens * 4)
-        self._staging = [driver.alloc_pinned(max_tokens * 4) for _ in range(3)]
-        # Greedy sampling results, read back through pinned memory.
+        self.step_sampling = self._zeros(max_tokens * ROW_PARAMS_DTYPE.itemsize)
+        self._step_state = (self.step_tokens, self.step_positions, self.step_slots,
+                            self.step_sampling)  # fmt: skip
+        self._staging = [driver.alloc_pinned(buf.nbytes) for buf in self._step_state]
+        # Sampling results (token, its log-probability, the alternatives asked for), read
+        # back through pinned memory; the argmax's row statistics for the sampler.
         self.sampled = self._zeros(max_tokens * 4)
         self.sampled_logprob = self._zeros(max_tokens * 4)
+        self.row_stats = self._zeros(max_tokens * ROW_STATS_BYTES)
+        # The sampler's per-slice candidates and totals (none past SAMPLE_MAX_SLICES slices:
+        # the sampler then takes its general path alone).
+        slices = math.ceil(hparams.n_vocab / SAMPLE_SLICE)
+        self.sample_slices = slices if slices <= SAMPLE_MAX_SLICES else 0
+        self.sample_candidates = self._zeros(max_tokens * slices * SAMPLE_CANDIDATES * 8)
+        self.sample_slice_sums = self._zeros(max_tokens * slices * 8)
+        self.top_tokens = self._zeros(max_tokens * MAX_LOGPROBS * 4)
+        self.top_logprobs = self._zeros(max_tokens * MAX_LOGPROBS * 4)
         self._sampled_host = driver.alloc_pinned(max_tokens * 4)
         self._logprob_host = driver.alloc_pinned(max_tokens * 4)
+        self._top_tokens_host = driver.alloc_pinned(max_tokens * MAX_LOGPROBS * 4)
+        self._top_logprobs_host = driver.alloc_pinned(max_tokens * MAX_LOGPROBS * 4)
         self._logits_host = driver.alloc_pinned(max_tokens * hparams.n_vocab * 4)
         self.steps = 0
         self.host_ns = 0  # host time issuing steps, up to the final synchronization
@@ -198,13 +234,14 @@ class GpuBackend:
         self.xq = self._zeros(max_tokens * self.gemm_max_k)
         self.xq_d = self._zeros(max_tokens * (self.gemm_max_k // QK) * f32)
         self.use_prefill_gemm = True  # False: every row count takes the GEMV (A/B runs)
-        # Split-K attention scratch; counters start at zero and the kernel resets them.
-        self.attn_split_len = max(QK, math.ceil(n_ctx / 16 / QK) * QK)
-        self.attn_splits = math.ceil(n_ctx / self.attn_split_len)
+        # Decode attention's per-segment states, for the tokens of a decode step (one per
+        # session, or a short prompt chunk); counters start at zero and the kernel resets them.
+        self.attn_segments = math.ceil(n_ctx / ATTN_SEGMENT)
+        self.attn_decode_rows = min(max_tokens, max(n_slots, GEMV_MAX_ROWS))
         self.attn_partial = self._zeros(
-            max_tokens * hp.n_head * self.attn_splits * (hp.head_dim_v + 2) * f32
+            self.attn_decode_rows * hp.n_head * self.attn_segments * (hp.head_dim_v + 2) * f32
         )
-        self.attn_counters = self._zeros(max_tokens * hp.n_head_kv * 4)
+        self.attn_counters = self._zeros(self.attn_decode_rows * hp.n_head * 4)
         # Argmax slices per row, their partial results and counters (zero; the kernel resets).
         self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
         self.argmax_partial = self._zeros(max_tokens * self.argmax_slices * ARGMAX_PART_BYTES)
@@ -280,7 +317,8 @@ class GpuBackend:
         A handle's geometry is fixed, so it is part of the key: a call site whose grid
         or shared memory changes gets another handle, never a stale launch shape.
         """
-        key = (*key, kernel, grid, block, shared_bytes)
+        overlap = self._overlap_step
+        key = (*key, kernel, grid, block, shared_bytes, overlap)
         handle = self._handles.get(key)
         if handle is None:
             handle = LaunchHandle(
@@ -293,6 +331,7 @@ class GpuBackend:
                 stream=self.stream,
                 arg_types=arg_types,
                 tracker=self.launch_tracker,
+                overlap=overlap,
             )
             self._handles[key] = handle
         handle.set_args(*args)
@@ -520,13 +559,36 @@ class GpuBackend:
         return Activation(self.q, qkv.rows, hp.q_dim)
 
     def attention(self, q: Activation, layer: int, batch: StepBatch) -> Activation:
+        """Each token over its slot's cache: a prompt chunk past GEMV_MAX_ROWS takes the
+        prefill kernel (K/V rows shared by its tokens), anything else the decode kernel
+        (segments across blocks); both give a token the same bits (kernels/attention.hip)."""
         hp = self.hparams
+        warp = self.driver.info.warp_size
+        scale = float(np.float32(1.0 / math.sqrt(hp.head_dim_k)))
+        if q.rows > GEMV_MAX_ROWS and batch.is_chunk:
+            tokens = ATTN_PREFILL_LANES // warp  # a warp per (token, head of the group)
+            self._launch(
+                ("attention-prefill", layer, q.rows),
+                "rf_attention_prefill",
+                ATTN_PREFILL_ARGS,
+                (hp.n_head_kv, math.ceil(q.rows / tokens), 1),
+                (tokens * hp.gqa_group * warp, 1, 1),
+                (q.ptr, self.k_cache[layer].ptr, self.v_cache[layer].ptr, self.step_positions.ptr,
+                 self.step_slots.ptr, q.rows, self.n_ctx, hp.n_head, hp.n_head_kv, hp.head_dim_k,
+                 scale, self.attn.ptr),
+            )  # fmt: skip
+            return Activation(self.attn, q.rows, hp.n_head * hp.head_dim_v)
+        if q.rows > self.attn_decode_rows:
+            raise BackendError(
+                f"{q.rows} tokens of several sequences in one step; decode attention takes "
+                f"{self.attn_decode_rows}"
+            )
         self._launch(
             ("attention", layer, q.rows),
-            "rf_attention",
-            ATTN_ARGS,
-            (hp.n_head_kv, q.rows, self.attn_splits),
-            (ATTN_THREADS, 1, 1),
+            "rf_attention_decode",
+            ATTN_DECODE_ARGS,
+            (hp.n_head, q.rows, self.attn_segments),
+            (ATTN_DECODE_WARPS * warp, 1, 1),
             (
                 q.ptr,
                 self.k_cache[layer].ptr,
@@ -537,8 +599,8 @@ class GpuBackend:
                 hp.n_head,
                 hp.n_head_kv,
                 hp.head_dim_k,
-                float(np.float32(1.0 / math.sqrt(hp.head_dim_k))),
-                self.attn_split_len,
+                scale,
+                self.attn_segments,
                 self.attn_partial.ptr,
                 self.attn_counters.ptr,
                 self.attn.ptr,
@@ -570,10 +632,17 @@ class GpuBackend:
         self._matmul(weight, picked, weight.n, self.logits.ptr, gain=norm)
         return Activation(self.logits, len(rows), weight.n)
 
-    def sample_greedy(self, logits: Activation) -> None:
-        """Argmax of each logits row into the step state (token, position + 1) and `sampled`."""
+    def sample(self, logits: Activation, sampling: RowSampling, first_row: int) -> None:
+        """Each logits row's token into `sampled` and the step state (token, position + 1).
+
+        The argmax kernel serves greedy batches alone; when a row draws at random or
+        reports alternatives, the sampler's two kernels follow it (kernels/sampling.hip:
+        per-slice candidates, then the draw). `first_row` is the batch row of logits row
+        0 (whose position keys the draw).
+        """
         if logits.rows == 0:
             return
+        drawn = sampling.needs_sampler
         self._launch(
             ("argmax", logits.rows),
             "rf_argmax_advance",
@@ -587,8 +656,42 @@ class GpuBackend:
                 self.step_positions.ptr,
                 self.sampled.ptr,
                 self.sampled_logprob.ptr,
+                self.row_stats.ptr,
                 self.argmax_partial.ptr,
                 self.argmax_counters.ptr,
+                int(not drawn),
+            ),
+        )
+        if not drawn:
+            return
+        common = (logits.ptr, logits.width, self.step_sampling.ptr, self.row_stats.ptr)
+        candidates = (self.sample_candidates.ptr, self.sample_slice_sums.ptr)
+        if self.sample_slices:
+            self._launch(
+                ("sample-candidates", logits.rows),
+                "rf_sample_candidates",
+                CANDIDATE_ARGS,
+                (self.sample_slices, logits.rows, 1),
+                (SAMPLE_THREADS, 1, 1),
+                common + candidates,
+            )
+        self._launch(
+            ("sample", logits.rows),
+            "rf_sample_advance",
+            SAMPLE_ARGS,
+            (logits.rows, 1, 1),
+            (SAMPLE_THREADS, 1, 1),
+            (
+                *common,
+                first_row,
+                self.sample_slices,
+                *candidates,
+                self.step_tokens.ptr,
+                self.step_positions.ptr,
+                self.sampled.ptr,
+                self.sampled_logprob.ptr,
+                self.top_tokens.ptr,
+                self.top_logprobs.ptr,
             ),
         )
 
@@ -603,16 +706,30 @@ class GpuBackend:
         n = batch.n_tokens
         if n > self.max_tokens:
             raise BackendError(f"{n} tokens in one step; this backend takes {self.max_tokens}")
-        values = (batch.tokens, batch.positions, batch.slots)
-        wanted = tuple(np.asarray(v, dtype=np.int32).tobytes() for v in values)
+        wanted = self._state_bytes(batch)
         if wanted == self._device_state:
             return
-        # Every step ends with a synchronization, so the staging area is free to reuse.
-        step = (self.step_tokens, self.step_positions, self.step_slots)
-        for staging, buf, value in zip(self._staging, step, values, strict=True):
-            staging.view(np.int32, (self.max_tokens,))[:n] = value
-            self.driver.copy_htod(buf, staging, self.stream)
+        # Every step ends with a synchronization, so the staging areas are free to reuse.
+        for staging, buf, value in zip(self._staging, self._step_state, wanted, strict=True):
+            if not value:
+                continue
+            staging.view(np.uint8, (buf.nbytes,))[: len(value)] = np.frombuffer(value, np.uint8)
+            self.driver.copy_htod(buf, staging, self.stream, nbytes=len(value))
         self._device_state = wanted
+
+    @staticmethod
+    def _state_bytes(
+        batch: StepBatch, tokens: np.ndarray | None = None, advance: int = 0
+    ) -> tuple[bytes, ...]:
+        """The step-state bytes of `batch` (tokens, positions, slots, sampling rows);
+        with `tokens` and `advance`, those the next decode step of the same rows needs."""
+        values = (
+            batch.tokens if tokens is None else tokens,
+            batch.positions + advance,
+            batch.slots,
+        )
+        return (*(np.asarray(v, dtype=np.int32).tobytes() for v in values),
+                batch.sampling.params.tobytes())  # fmt: skip
 
     def run_step(
         self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
@@ -632,21 +749,24 @@ class GpuBackend:
         gated = timed and self.mode != "per-kernel-sync"
         rows = len(batch.logit_rows)
         decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
+        top = int(batch.sampling.params["logprobs"].max(initial=0))
         replay_timed = False
+        self._overlap_step = self.overlap and decode_shape
         if gated:
             self._close_gate()
         try:
             self.write_step_state(batch)
             if self.mode == "graph" and decode_shape and not timed:
-                replay_timed = self._replay(rows, run_forward, tracker)
+                replay_timed = self._replay(batch, run_forward, tracker)
             else:
                 self._timing = self.kernel_timer if timed else None
                 try:
-                    self.sample_greedy(run_forward())
+                    self._issue(batch, run_forward)
                 finally:
                     self._timing = None
-            self._queue_readback(rows, want_logits)
+            self._queue_readback(rows, top > 0, want_logits)
         finally:
+            self._overlap_step = False
             if gated:
                 self._gate.view(np.uint32, 1)[0] = 1  # open: the queued step runs
                 self.kernel_timer.released(time.perf_counter_ns())
@@ -659,35 +779,47 @@ class GpuBackend:
         if tracker is not None:
             tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
         self.steps += 1
-        greedy = self._sampled_host.view(np.int32, (self.max_tokens,))[:rows].copy()
-        greedy_logprobs = self._logprob_host.view(np.float32, (self.max_tokens,))[:rows].copy()
+        tokens = self._sampled_host.view(np.int32, (self.max_tokens,))[:rows].copy()
+        logprobs = self._logprob_host.view(np.float32, (self.max_tokens,))[:rows].copy()
         host_logits = None
         if want_logits:
             shape = (self.max_tokens, self.hparams.n_vocab)
             host_logits = self._logits_host.view(np.float32, shape)[:rows].copy()
-        self._device_state = (
-            (greedy.tobytes(), (batch.positions + 1).astype(np.int32).tobytes(),
-             batch.slots.astype(np.int32).tobytes())
-            if decode_shape
-            else None
-        )  # fmt: skip
-        return StepOutput(greedy, greedy_logprobs, host_logits)
+        # The sampler advanced the step state to the next decode step of these rows.
+        self._device_state = self._state_bytes(batch, tokens, 1) if decode_shape else None
+        return StepOutput(tokens, logprobs, self._top_alternatives(batch, top), host_logits)
+
+    def _top_alternatives(
+        self, batch: StepBatch, top: int
+    ) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """Each row's best alternatives, as many as it asked for (read back after the sync)."""
+        counts = batch.sampling.params["logprobs"]
+        if not top:
+            return ((),) * len(counts)
+        shape = (self.max_tokens, MAX_LOGPROBS)
+        ids = self._top_tokens_host.view(np.int32, shape)
+        values = self._top_logprobs_host.view(np.float32, shape)
+        return tuple(
+            tuple(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True))
+            for r, n in enumerate(counts.tolist())
+        )
 
     def _replay(
         self,
-        rows: int,
+        batch: StepBatch,
         run_forward: Callable[[], Activation],
         tracker: LaunchOverheadTracker | None,
     ) -> bool:
-        """Replay the decode graph of this batch size, capturing it on first use.
+        """Replay the decode graph of this batch size and sampler, capturing it on first use.
 
         Returns whether the kernel timer timed this replay (read it after the sync).
         """
-        graph = self._graphs.get(rows)
+        key = (batch.n_tokens, batch.sampling.needs_sampler)
+        graph = self._graphs.get(key)
         if graph is None:
             graph = StepGraph(self.driver, self.stream)
-            graph.capture(lambda: self._record(run_forward))
-            self._graphs[rows] = graph
+            graph.capture(lambda: self._record(batch, run_forward))
+            self._graphs[key] = graph
         timed = self.kernel_timer.begin_replay(self.steps)
         replay_start = time.perf_counter_ns()
         graph.replay()
@@ -697,13 +829,17 @@ class GpuBackend:
             self.kernel_timer.end_replay()
         return timed
 
-    def _queue_readback(self, rows: int, want_logits: bool) -> None:
-        """Queue the copies of the sampled tokens (and logits) into pinned memory."""
+    def _queue_readback(self, rows: int, top: bool, want_logits: bool) -> None:
+        """Queue the copies of the sampled tokens (alternatives, logits) into pinned memory."""
         if not rows:
             return
         copy, stream = self.driver.copy_dtoh, self.stream
         copy(self._sampled_host, self.sampled, stream, nbytes=rows * 4)
         copy(self._logprob_host, self.sampled_logprob, stream, nbytes=rows * 4)
+        if top:
+            nbytes = rows * MAX_LOGPROBS * 4
+            copy(self._top_tokens_host, self.top_tokens, stream, nbytes=nbytes)
+            copy(self._top_logprobs_host, self.top_logprobs, stream, nbytes=nbytes)
         if want_logits:
             nbytes = rows * self.hparams.n_vocab * 4
             copy(self._logits_host, self.logits, stream, nbytes=nbytes)
@@ -727,6 +863,7 @@ class GpuBackend:
         cache = ARG_CACHE_STATS.snapshot()
         return {
             "mode": self.mode,
+            "overlap": self.overlap,
             "steps": self.steps,
             "launches_per_step": counters["launches"] / steps,
             "host_us_per_step": self.host_ns / steps / 1000,
@@ -771,11 +908,19 @@ class GpuBackend:
         self.steps = 0
         self.host_ns = 0
 
-    def _record(self, run_forward: Callable[[], Activation]) -> list[LaunchHandle]:
-        """Issue the forward and the sampler, returning every handle launched (for capture)."""
+    def _issue(self, batch: StepBatch, run_forward: Callable[[], Activation]) -> None:
+        """Issue the forward and the sampler."""
+        self.sample(
+            run_forward(), batch.sampling, int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
+        )
+
+    def _record(
+        self, batch: StepBatch, run_forward: Callable[[], Activation]
+    ) -> list[LaunchHandle]:
+        """Issue the step, returning every handle launched (for capture)."""
         self._recording = []
         try:
-            self.sample_greedy(run_forward())
+            self._issue(batch, run_forward)
             return self._recording
         finally:
             self._recording = None

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Protocol
 
 _IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_KERNEL_RE = re.compile(r"\bRF_KERNEL(?:_BOUNDS\s*\([^)]*\))?\s+void\s+([A-Za-z_]\w*)\s*\(")
+_KERNEL_RE = re.compile(
+    r"\bRF_KERNEL(?:_BOUNDS(?:_ONE)?\s*\([^)]*\))?\s+void\s+([A-Za-z_]\w*)\s*\("
+)
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 _CACHE_FORMAT = 1  # bump when the key derivation or the file layout changes
 _ELF_MAGIC = b"\x7fELF"

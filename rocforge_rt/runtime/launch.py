@@ -103,7 +103,11 @@ class ArgLayout:
 
 
 class LaunchHandle:
-    """One kernel launch site: function, geometry, stream and its own packed arguments."""
+    """One kernel launch site: function, geometry, stream and its own packed arguments.
+
+    `overlap` launches with programmatic dependent launch where the driver supports
+    it (the kernel waits for its predecessor itself; see rf_pdl_wait).
+    """
 
     def __init__(
         self,
@@ -117,6 +121,7 @@ class LaunchHandle:
         stream: Any,
         arg_types: Sequence[str],
         tracker: LaunchOverheadTracker | None = None,
+        overlap: bool = False,
     ) -> None:
         self.name = name
         self.tracker = tracker  # told of every launch while it is enabled
@@ -143,7 +148,7 @@ class LaunchHandle:
         self._f32_slots = tuple(i for i, t in enumerate(self.layout.types) if t == "f32")
         self._last_values: tuple | None = None  # values known to pack to the stored bytes
         self._launch = driver.prepare_launch(
-            function, self.grid, self.block, self.shared_bytes, stream, self.params_ptr
+            function, self.grid, self.block, self.shared_bytes, stream, self.params_ptr, overlap
         )
         self.version = 0  # bumped by every repack; graphs compare it
         self.hits = 0
