@@ -23,15 +23,15 @@
 //                  of slot slots[t] (step state, read on the device)
 // out      fp32 [n_tokens, n_head * d]
 //
-// rf_attention_decode: a block a segment of one (head, token), a warp a piece: each lane
-//   loads its key row, the warp stages its piece's value rows in shared memory, all loads
-//   in flight at once; the block's first warp folds the segment. A context of one segment
-//   is finished there; otherwise each block writes its segment state to `partial`
-//   [n_tokens, n_head, max_segments, d + 2] (M, Lsum, A) and the last block of the
-//   (token, head) to finish folds them all (counters uint32 [n_tokens, n_head], zero before
-//   the first launch, reset by that block). The grid is sized for the whole context;
-//   blocks past the token's last segment exit.
-//   Launch: grid (n_head, n_tokens, max_segments), block RF_ATTN_SEGMENT * warp size.
+// rf_attention_decode: a block a segment of one (KV head, token), a warp a (head of the
+//   group, piece): the block stages the segment's K and V rows in shared memory once for
+//   the whole group, and each head's first warp folds the head's pieces. A context of one
+//   segment is finished there; otherwise each block writes its heads' segment states to
+//   `partial` [n_tokens, n_head, max_segments, d + 2] (M, Lsum, A) and the last block of
+//   the (token, KV head) to finish folds them all (counters uint32 [n_tokens, n_kv], zero
+//   before the first launch, reset by that block). The grid is sized for the whole
+//   context; blocks past the token's last segment exit.
+//   Launch: grid (n_kv, n_tokens, max_segments), block RF_ATTN_SEGMENT * group * warp size.
 // rf_attention_prefill: the tokens of one slot (a prompt chunk); a block takes one KV
 //   head and RF_ATTN_PREFILL_TOKENS tokens, a warp one (token, head of the group). The
 //   block stages each piece's K and V rows in shared memory once for all its warps; each
@@ -42,7 +42,7 @@
 #include "rf_portability.h"
 
 #define RF_ATTN_PIECE 32  // positions a piece: lanes 0..31 (a wave64 leaves 32..63 idle)
-#define RF_ATTN_SEGMENT 4  // pieces a segment
+#define RF_ATTN_SEGMENT 2  // pieces a segment
 #define RF_ATTN_PREFILL_TOKENS (128 / RF_WARP_SIZE)  // up to 1024 threads with group 8
 #define RF_ATTN_MAX_GROUP 8
 #define RF_ATTN_MAX_D 128
@@ -222,88 +222,90 @@ RF_DEVICE_INLINE void rf_attn_load_a(const float* head, rf_attn_state& s, int d,
     }
 }
 
-// A decode warp hands its piece's part to the first warp in the place of the piece's
-// value rows, once it has read them.
-static_assert(sizeof(rf_attn_values) >= (RF_ATTN_MAX_D + 2) * sizeof(float),
-              "a piece's part fits where its value rows were");
-
-RF_KERNEL_BOUNDS(RF_ATTN_SEGMENT* RF_WARP_SIZE)
+RF_KERNEL_BOUNDS(RF_ATTN_SEGMENT* RF_ATTN_MAX_GROUP* RF_WARP_SIZE)
 void rf_attention_decode(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
                          const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
                          const int32_t* RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, int d,
                          float scale, int max_segments, float* RF_RESTRICT partial,
                          uint32_t* RF_RESTRICT counters, float* RF_RESTRICT out) {
-    __shared__ __align__(16) float s_q[RF_ATTN_MAX_D];
-    __shared__ __align__(16) rf_attn_values s_values[RF_ATTN_SEGMENT];
+    __shared__ __align__(16) float s_q[RF_ATTN_MAX_GROUP][RF_ATTN_MAX_D];
+    __shared__ __align__(16) rf_attn_tile s_tiles[RF_ATTN_SEGMENT];
+    __shared__ __align__(16) float s_parts[RF_ATTN_MAX_GROUP][RF_ATTN_SEGMENT][RF_ATTN_MAX_D + 2];
+    __shared__ int s_last;
     rf_pdl_begin();
-    const int head = blockIdx.x, t = blockIdx.y, segment = blockIdx.z;
+    const int kvh = blockIdx.x, t = blockIdx.y, segment = blockIdx.z;
+    const int group = n_head / n_kv, n_threads = (int)blockDim.x;
     const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
-    const int kvh = head / (n_head / n_kv);
+    const int g = warp / RF_ATTN_SEGMENT, piece = warp % RF_ATTN_SEGMENT;  // this warp's work
     const int length = positions[t] + 1;
     const int segment_len = RF_ATTN_SEGMENT * RF_ATTN_PIECE;
     const int n_segments = (length + segment_len - 1) / segment_len;
     if (segment >= n_segments) {
         return;  // the whole block is past the context
     }
-    const int first_piece = segment * RF_ATTN_SEGMENT;
-    const int n_pieces = min(RF_ATTN_SEGMENT, (length + RF_ATTN_PIECE - 1) / RF_ATTN_PIECE -
-                                                  first_piece);
-    const int start = (first_piece + warp) * RF_ATTN_PIECE;
-    const int n_valid = warp < n_pieces ? min(RF_ATTN_PIECE, length - start) : 0;
+    const int first = segment * segment_len;
+    const int n_pieces = min(RF_ATTN_SEGMENT, (length - first + RF_ATTN_PIECE - 1) / RF_ATTN_PIECE);
     const int64_t kv_stride = (int64_t)n_kv * d;
-    const int64_t rows = (int64_t)slots[t] * n_ctx * kv_stride + (int64_t)start * kv_stride +
+    const int64_t rows = (int64_t)slots[t] * n_ctx * kv_stride + (int64_t)first * kv_stride +
                          (int64_t)kvh * d;
-    // This lane's key row and the piece's value rows, every load issued before any use.
-    rf_attn_u32x4 key[RF_ATTN_MAX_D / 8];
-    const uint16_t* k_row = k_cache + rows + (lane < n_valid ? lane : 0) * kv_stride;
-#pragma unroll
-    for (int c = 0; c < RF_ATTN_MAX_D; c += 8) {
-        key[c / 8] = c < d && lane < n_valid ? *(const rf_attn_u32x4*)(k_row + c) : rf_attn_u32x4{};
+    // The segment's K and V rows, read once for the whole group, and the group's q.
+    for (int p = 0; p < n_pieces; ++p) {
+        const int64_t at = rows + (int64_t)p * RF_ATTN_PIECE * kv_stride;
+        const int n_rows = min(RF_ATTN_PIECE, length - first - p * RF_ATTN_PIECE);
+        // At least 2 warps: eight 16-byte pieces a thread at most.
+        rf_attn_copy_rows<8>(&s_tiles[p].k[0][0], RF_ATTN_PITCH, k_cache + at, kv_stride, n_rows,
+                             d, 0, n_threads);
+        rf_attn_copy_rows<8>(&s_tiles[p].values.v[0][0], RF_ATTN_MAX_D, v_cache + at, kv_stride,
+                             n_rows, d, 0, n_threads);
     }
-    rf_attn_copy_rows<RF_ATTN_MAX_D / 8>(&s_values[warp].v[0][0], RF_ATTN_MAX_D, v_cache + rows,
-                                         kv_stride, n_valid, d, warp * RF_WARP_SIZE, RF_WARP_SIZE);
-    for (int i = threadIdx.x; i < d; i += RF_ATTN_SEGMENT * RF_WARP_SIZE) {
-        s_q[i] = q[((int64_t)t * n_head + head) * d + i];
+    const float* q_group = q + ((int64_t)t * n_head + (int64_t)kvh * group) * d;
+    for (int i = threadIdx.x; i < group * d; i += n_threads) {
+        s_q[i / d][i % d] = q_group[i];
     }
     __syncthreads();
     rf_attn_state part;
-    float* mine = (float*)&s_values[warp];  // this piece's part, once its rows are read
-    if (n_valid > 0) {
-        rf_attn_piece([&](int c) { return key[c / 8]; }, s_values[warp], n_valid, s_q, d, scale,
-                      part);
-        rf_syncwarp();
-        rf_attn_save(mine, part, d, lane);
+    if (piece < n_pieces) {
+        const int n_valid = min(RF_ATTN_PIECE, length - first - piece * RF_ATTN_PIECE);
+        const uint16_t* k_row = s_tiles[piece].k[lane < n_valid ? lane : 0];
+        rf_attn_piece([&](int c) { return *(const rf_attn_u32x4*)(k_row + c); },
+                      s_tiles[piece].values, n_valid, s_q[g], d, scale, part);
+        rf_attn_save(s_parts[g][piece], part, d, lane);
     }
     __syncthreads();
-    if (warp != 0) {
-        return;
-    }
-    // The first warp folds the segment's pieces in order.
+    // The first warp of each head folds the head's pieces of the segment in order.
+    const bool folds = piece == 0;
     rf_attn_state state;
     rf_attn_start(state);
-    for (int p = 0; p < n_pieces; ++p) {
-        rf_attn_load((const float*)&s_values[p], part, d, lane);
-        rf_attn_fold(state, part);
+    if (folds) {
+        for (int p = 0; p < n_pieces; ++p) {
+            rf_attn_load(s_parts[g][p], part, d, lane);
+            rf_attn_fold(state, part);
+        }
     }
+    const int head = kvh * group + g;
     float* out_head = out + ((int64_t)t * n_head + head) * d;
     if (n_segments == 1) {  // the total is this segment's state
-        rf_attn_save_a(out_head, state, d, lane, true);
+        if (folds) {
+            rf_attn_save_a(out_head, state, d, lane, true);
+        }
         return;
     }
     float* parts = partial + ((int64_t)t * n_head + head) * max_segments * (d + 2);
-    rf_attn_save(parts + (int64_t)segment * (d + 2), state, d, lane);
-    // The last block of this (token, head) to finish folds every segment in order.
+    if (folds) {
+        rf_attn_save(parts + (int64_t)segment * (d + 2), state, d, lane);
+    }
+    // The last block of this (token, KV head) to finish folds every segment in order.
     __threadfence();
-    rf_syncwarp();
-    int last = 0;
-    if (lane == 0) {
-        uint32_t* counter = counters + (int64_t)t * n_head + head;
-        last = atomicAdd(counter, 1u) == (uint32_t)(n_segments - 1);
-        if (last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t* counter = counters + (int64_t)t * n_kv + kvh;
+        s_last = atomicAdd(counter, 1u) == (uint32_t)(n_segments - 1);
+        if (s_last) {
             *counter = 0u;
         }
     }
-    if (!rf_shfl(last, 0, RF_WARP_SIZE)) {
+    __syncthreads();
+    if (!s_last || !folds) {
         return;
     }
     __threadfence();

@@ -50,8 +50,8 @@ GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-qua
 EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
 EMBED_THREADS = 256
 ROPE_THREADS = 256
-ATTN_SEGMENT = 128  # context positions a decode block takes (kernels/attention.hip)
-ATTN_DECODE_WARPS = 4  # RF_ATTN_SEGMENT: pieces of 32 positions a segment, one a warp
+ATTN_SEGMENT = 64  # context positions a decode block takes (kernels/attention.hip)
+ATTN_SEGMENT_PIECES = 2  # RF_ATTN_SEGMENT: its pieces of 32 positions, a warp each per head
 ATTN_PREFILL_LANES = 128  # warp size x RF_ATTN_PREFILL_TOKENS (tokens a prefill block takes)
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 8, 128
 ARGMAX_THREADS = 256
@@ -241,7 +241,7 @@ class GpuBackend:
         self.attn_partial = self._zeros(
             self.attn_decode_rows * hp.n_head * self.attn_segments * (hp.head_dim_v + 2) * f32
         )
-        self.attn_counters = self._zeros(self.attn_decode_rows * hp.n_head * 4)
+        self.attn_counters = self._zeros(self.attn_decode_rows * hp.n_head_kv * 4)
         # Argmax slices per row, their partial results and counters (zero; the kernel resets).
         self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
         self.argmax_partial = self._zeros(max_tokens * self.argmax_slices * ARGMAX_PART_BYTES)
@@ -561,7 +561,8 @@ class GpuBackend:
     def attention(self, q: Activation, layer: int, batch: StepBatch) -> Activation:
         """Each token over its slot's cache: a prompt chunk past GEMV_MAX_ROWS takes the
         prefill kernel (K/V rows shared by its tokens), anything else the decode kernel
-        (segments across blocks); both give a token the same bits (kernels/attention.hip)."""
+        (segments across blocks); both read each K/V row once for a KV head's group and
+        give a token the same bits (kernels/attention.hip)."""
         hp = self.hparams
         warp = self.driver.info.warp_size
         scale = float(np.float32(1.0 / math.sqrt(hp.head_dim_k)))
@@ -587,8 +588,8 @@ class GpuBackend:
             ("attention", layer, q.rows),
             "rf_attention_decode",
             ATTN_DECODE_ARGS,
-            (hp.n_head, q.rows, self.attn_segments),
-            (ATTN_DECODE_WARPS * warp, 1, 1),
+            (hp.n_head_kv, q.rows, self.attn_segments),
+            (ATTN_SEGMENT_PIECES * hp.gqa_group * warp, 1, 1),
             (
                 q.ptr,
                 self.k_cache[layer].ptr,
