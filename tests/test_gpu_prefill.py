@@ -240,3 +240,22 @@ def test_overlapped_launches_give_the_same_logits_as_serialized_ones(synthetic_m
     (tokens_a, logprobs_a, logits_a), (tokens_b, logprobs_b, logits_b) = runs
     assert tokens_a == tokens_b and logprobs_a == logprobs_b
     assert np.array_equal(logits_a, logits_b)
+
+
+def test_resident_weights_take_at_most_1_1x_the_gguf_tensor_bytes(synthetic_model):
+    """Weights are repacked, never expanded: the device holds the GGUF's quant and scale
+    bytes (scales moved apart), norms as they are, and a tied LM head shares the table."""
+    from dataclasses import fields
+
+    from rocforge_rt.runtime.gpu_ops import DeviceMatrix
+
+    engine = Engine.load(synthetic_model, backend="cuda", n_ctx=64)
+    weights = engine.weights
+    held = [weights.token_embd, weights.output_norm, weights.lm_head]
+    held += [getattr(layer, f.name) for layer in weights.layers for f in fields(layer)]
+    buffers = {}
+    for item in held:
+        for buf in (item.qs, item.d) if isinstance(item, DeviceMatrix) else (item,):
+            buffers[buf.ptr] = buf.nbytes
+    gguf_bytes = sum(t.nbytes for t in engine.model.tensors.values())
+    assert sum(buffers.values()) <= 1.1 * gguf_bytes
