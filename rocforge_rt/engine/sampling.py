@@ -200,6 +200,6 @@ def sample_row(
     logits = np.asarray(logits, dtype=np.float32)
     token = int(np.argmax(logits)) if params.greedy else draw(logits, params, seed, position)
     logprobs = log_softmax(logits)
-    best = rank_order(logits)[: params.logprobs]
+    best = rank_order(logits)[: params.logprobs] if params.logprobs else ()
     top = tuple((int(i), float(logprobs[i])) for i in best)
     return SampledToken(token=token, logprob=float(logprobs[token]), top=top)
