@@ -179,31 +179,7 @@ RF_DEVICE_INLINE void rf_attn_piece(Key8 key8, const rf_attn_values& values, int
     }
 }
 
-// A state's share for this lane <-> (M, Lsum, A[d]) in memory.
-RF_DEVICE_INLINE void rf_attn_save(float* dst, const rf_attn_state& s, int d, int lane) {
-    const int per_lane = d / RF_ATTN_PIECE;
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        if (lane < RF_ATTN_PIECE && e < per_lane) {
-            dst[2 + lane * per_lane + e] = s.a[e];
-        }
-    }
-    if (lane == 0) {
-        dst[0] = s.m;
-        dst[1] = s.l;
-    }
-}
-RF_DEVICE_INLINE void rf_attn_load(const float* src, rf_attn_state& s, int d, int lane) {
-    const int per_lane = d / RF_ATTN_PIECE;
-    s.m = src[0];
-    s.l = src[1];
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        s.a[e] = lane < RF_ATTN_PIECE && e < per_lane ? src[2 + lane * per_lane + e] : 0.0f;
-    }
-}
-
-// This lane's A elements <-> a head's d output floats, or A / Lsum into them.
+// This lane's A elements <-> a head's d floats (an output row), or A / Lsum into them.
 RF_DEVICE_INLINE void rf_attn_save_a(float* head, const rf_attn_state& s, int d, int lane,
                                      bool divide) {
     const int per_lane = d / RF_ATTN_PIECE;
@@ -220,6 +196,20 @@ RF_DEVICE_INLINE void rf_attn_load_a(const float* head, rf_attn_state& s, int d,
     for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
         s.a[e] = lane < RF_ATTN_PIECE && e < per_lane ? head[lane * per_lane + e] : 0.0f;
     }
+}
+
+// A whole state's share for this lane <-> (M, Lsum, A[d]) in memory.
+RF_DEVICE_INLINE void rf_attn_save(float* dst, const rf_attn_state& s, int d, int lane) {
+    rf_attn_save_a(dst + 2, s, d, lane, false);
+    if (lane == 0) {
+        dst[0] = s.m;
+        dst[1] = s.l;
+    }
+}
+RF_DEVICE_INLINE void rf_attn_load(const float* src, rf_attn_state& s, int d, int lane) {
+    s.m = src[0];
+    s.l = src[1];
+    rf_attn_load_a(src + 2, s, d, lane);
 }
 
 RF_KERNEL_BOUNDS(RF_ATTN_SEGMENT* RF_ATTN_MAX_GROUP* RF_WARP_SIZE)
