@@ -18,7 +18,7 @@
 //   Launch: grid (n_slices, n_rows), block RF_ARGMAX_THREADS.
 //
 // rf_sample_advance: after rf_argmax_advance (advance = 0), each row's token under its
-//   sampling parameters (rocforge_rt/engine/sampling.py states the rules; this is the
+//   sampling parameters (rocforge_rt/step/sampling.py states the rules; this is the
 //   same computation): greedy rows keep the argmax; other rows rank tokens by
 //   (logit desc, id asc), keep the top_k best, weigh each W = floor(expf((x - max) / T)
 //   * 2^40) as an integer, keep the shortest ranked prefix reaching ceil(top_p * total)
@@ -155,7 +155,7 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 //   RF_SAMPLE_SLICE) <= RF_SAMPLE_MAX_SLICES.
 //
 // rf_sample_advance: each row's token under its sampling parameters
-//   (rocforge_rt/engine/sampling.py states the rules; this is the same computation):
+//   (rocforge_rt/step/sampling.py states the rules; this is the same computation):
 //   greedy rows keep the argmax; other rows rank tokens by (logit desc, id asc), keep the
 //   top_k best, weigh each W = floor(expf((x - max) / T) * 2^40) as an integer, keep the
 //   shortest ranked prefix reaching ceil(top_p * total) and draw from it in id order with
@@ -187,7 +187,7 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 #define RF_SAMPLE_LIST 1024
 #define RF_SAMPLE_WEIGHT_SCALE 1099511627776.0f  // 2^40
 
-struct rf_sample_params {  // rocforge_rt/engine/sampling.py ROW_PARAMS_DTYPE
+struct rf_sample_params {  // rocforge_rt/step/sampling.py ROW_PARAMS_DTYPE
     float temperature;     // 0: greedy
     int top_k;             // 0: no cut; 1: greedy
     float top_p;           // 1: no cut

@@ -13,8 +13,8 @@ from rocforge_rt.server.cli_commands import add_generation_options, add_server_c
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rocforge_rt.engine.engine import Engine
     from rocforge_rt.engine.generate import Generation
-    from rocforge_rt.engine.sampling import SamplingParams
     from rocforge_rt.model.default_model import ensure_default_model
+    from rocforge_rt.step.sampling import SamplingParams
 
     model_path = Path(args.model) if args.model else ensure_default_model()
     engine = Engine.load(model_path, backend=args.backend, n_ctx=args.ctx_size)

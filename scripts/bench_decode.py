@@ -20,8 +20,8 @@ import numpy as np
 
 from rocforge_rt.backends import resolve_backend_name
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.sampling import SamplingParams
-from rocforge_rt.profiling.workloads import decode_tokens_per_s, prompt_tokens_per_s
+from rocforge_rt.engine.workloads import decode_tokens_per_s, prompt_tokens_per_s
+from rocforge_rt.step.sampling import SamplingParams
 
 MODES = ("per-kernel-sync", "deferred", "graph")
 # A typical chat setting, for the sampled decode figure (the device sampler's cost).
@@ -42,7 +42,7 @@ def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -
 
 def arg_cache_off_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:
     """Decode-step stats with every launch repacking its arguments (the cache's A/B)."""
-    from rocforge_rt.runtime.launch import set_arg_cache_enabled
+    from rocforge_rt.backends.gpu.launch import set_arg_cache_enabled
 
     set_arg_cache_enabled(False)
     try:

@@ -33,12 +33,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from rocforge_rt.backends.cpu import quantize_q8, rms_normalize
-from rocforge_rt.backends.cuda import CudaDriver, NvrtcCompiler
-from rocforge_rt.model.gguf_file import WeightTensor
-from rocforge_rt.model.hparams import HParams
-from rocforge_rt.model.synthetic import random_blocks
-from rocforge_rt.runtime import gpu_ops
-from rocforge_rt.runtime.gpu_ops import (
+from rocforge_rt.backends.gpu import backend as gpu_ops
+from rocforge_rt.backends.gpu.backend import (
     EPILOGUE_RESIDUAL,
     EPILOGUE_STORE,
     EPILOGUE_SWIGLU,
@@ -47,8 +43,12 @@ from rocforge_rt.runtime.gpu_ops import (
     GpuBackend,
     repack_rows,
 )
-from rocforge_rt.runtime.kernel_library import KernelLibrary, kernels_dir
-from rocforge_rt.runtime.launch import LaunchHandle
+from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
+from rocforge_rt.backends.gpu.launch import LaunchHandle
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.hparams import HParams
+from rocforge_rt.model.synthetic import random_blocks
 
 L2_BYTES = 60 << 20  # H200; the rotation covers 3x this
 EPS = 1e-5

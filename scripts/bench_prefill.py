@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.profiling.workloads import prompt_tokens_per_s
+from rocforge_rt.engine.workloads import prompt_tokens_per_s
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
 TIMED_OPS = ("embed", *GEMM_OPS, "attention", "lm_head")

@@ -18,7 +18,7 @@
 #
 # Output: the ROCM_PATH to use, alone on stdout (progress goes to stderr), e.g.
 #   export ROCM_PATH="$(scripts/install_hip_sdk.sh)"
-# Exporting it is optional for rocforge_rt: rocforge_rt.backends.hip uses
+# Exporting it is optional for rocforge_rt: rocforge_rt.backends.gpu.hip uses
 # <repo>/.rocm by itself when ROCM_PATH is unset.
 set -euo pipefail
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from rocforge_rt.backends.gpu.backend import GATE_ARGS
+from rocforge_rt.backends.gpu.launch import LaunchHandle, set_arg_cache_enabled
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.profiling.workloads import decode_tokens_per_s
-from rocforge_rt.runtime.gpu_ops import GATE_ARGS
-from rocforge_rt.runtime.launch import LaunchHandle, set_arg_cache_enabled
+from rocforge_rt.engine.workloads import decode_tokens_per_s
 
 MODES = ("per-kernel-sync", "deferred", "graph")
 

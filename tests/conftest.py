@@ -44,7 +44,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gpu_driver():
     """A CUDA driver on device 0, shared by the GPU tests; skips where no CUDA device is visible."""
-    from rocforge_rt.backends import cuda
+    from rocforge_rt.backends.gpu import cuda
 
     if cuda.device_count() == 0:
         pytest.skip("no CUDA device")

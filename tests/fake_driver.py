@@ -15,7 +15,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-from rocforge_rt.backends.device import DeviceInfo, Driver
+from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver
 from rocforge_rt.errors import BackendError
 
 

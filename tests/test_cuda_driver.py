@@ -13,13 +13,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from rocforge_rt.backends import cuda
-from rocforge_rt.backends.cuda import CudaDriver, NvrtcCompiler
-from rocforge_rt.backends.device import DeviceBuffer, Function, Module
+from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
+from rocforge_rt.backends.gpu.driver import DeviceBuffer, Function, Module
+from rocforge_rt.backends.gpu.graph import StepGraph
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
+from rocforge_rt.backends.gpu.launch import LaunchHandle
 from rocforge_rt.errors import BackendError
-from rocforge_rt.runtime.graph import StepGraph
-from rocforge_rt.runtime.kernel_library import KernelLibrary
-from rocforge_rt.runtime.launch import LaunchHandle
 
 pytestmark = [
     pytest.mark.gpu,

@@ -35,10 +35,10 @@ from clients.rocforge_client import (
     connect,
 )
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.forward import LAYER_OPS
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.daemon import Daemon, DaemonConfig, ServerError, State
 from rocforge_rt.server.security import SecurityError, generate_keys
+from rocforge_rt.step.forward import LAYER_OPS
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
 OPS_PER_TINY_STEP = 1 + 2 * len(LAYER_OPS) + 1  # embed, two layers, LM head

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from rocforge_rt.engine.batch import StepBatch
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.forward import forward
-from rocforge_rt.engine.sampling import SamplingParams
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import forward
+from rocforge_rt.step.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
 

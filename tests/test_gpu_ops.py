@@ -10,11 +10,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, rel_error, weight
 
-from rocforge_rt.backends import create_backend, cuda
+from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
-from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.step.batch import StepBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -198,7 +199,7 @@ def test_batched_decode_is_bit_identical_to_decoding_each_session_alone(engines,
 
 
 def test_the_three_step_modes_give_bit_identical_results(default_model, reference):
-    from rocforge_rt.engine.sampling import SamplingParams
+    from rocforge_rt.step.sampling import SamplingParams
 
     prompt = reference["cases"][1]["ids"]
     runs = {}

@@ -14,13 +14,14 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, rel_error, weight
 
-from rocforge_rt.backends import create_backend, cuda
+from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
-from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.backend import GEMV_MAX_ROWS, Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.synthetic import write_synthetic_model
-from rocforge_rt.runtime.gpu_ops import GEMV_MAX_ROWS, Activation
+from rocforge_rt.step.batch import StepBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -247,7 +248,7 @@ def test_resident_weights_take_at_most_1_1x_the_gguf_tensor_bytes(synthetic_mode
     bytes (scales moved apart), norms as they are, and a tied LM head shares the table."""
     from dataclasses import fields
 
-    from rocforge_rt.runtime.gpu_ops import DeviceMatrix
+    from rocforge_rt.backends.gpu.backend import DeviceMatrix
 
     engine = Engine.load(synthetic_model, backend="cuda", n_ctx=64)
     weights = engine.weights

@@ -1,5 +1,5 @@
 """Sampling on the device (kernels/sampling.hip) against the reference rules
-(rocforge_rt/engine/sampling.py), on the same logits; and seeded sampling end to end.
+(rocforge_rt/step/sampling.py), on the same logits; and seeded sampling end to end.
 
 The kernel ranks, cuts and draws in exact integer weights, as the reference does, so
 the tokens must be equal; only the float32 exp may differ in its last bit between the
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from gpu_checks import hparams
 
-from rocforge_rt.backends import create_backend, cuda
-from rocforge_rt.engine.batch import StepBatch
+from rocforge_rt.backends import create_backend
+from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.backend import Activation
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.sampling import RowSampling, Sampler, SamplingParams, sample_row
-from rocforge_rt.runtime.gpu_ops import Activation
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams, sample_row
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ suite.
 
 import pytest
 
-from rocforge_rt.backends import hip
+from rocforge_rt.backends.gpu import hip
 from rocforge_rt.errors import BackendError
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rocforge_rt.errors import BackendError, KernelCompileError
-from rocforge_rt.runtime.kernel_library import (
+from rocforge_rt.backends.gpu.kernel_library import (
     CodeObject,
     Compiler,
     KernelLibrary,
@@ -23,6 +22,7 @@ from rocforge_rt.runtime.kernel_library import (
     kernel_names,
     kernels_dir,
 )
+from rocforge_rt.errors import BackendError, KernelCompileError
 
 TARGETS = ("sm_90", "gfx90a", "gfx1030")
 KERNELS = kernels_dir()
@@ -75,10 +75,10 @@ def _in_ci() -> bool:
 
 def _make_compiler(arch: str) -> Compiler:
     if arch.startswith("sm_"):
-        from rocforge_rt.backends.cuda import NvrtcCompiler
+        from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
 
         return NvrtcCompiler(arch)
-    from rocforge_rt.backends.hip import HiprtcCompiler
+    from rocforge_rt.backends.gpu.hip import HiprtcCompiler
 
     return HiprtcCompiler(arch)
 
@@ -217,7 +217,7 @@ def test_failed_compile_is_not_cached(
 
 def test_hiprtc_crash_becomes_compile_error(get_compiler: Callable[[str], Compiler]) -> None:
     get_compiler("gfx90a")  # skips (or fails under CI) when hiprtc is missing
-    from rocforge_rt.backends.hip import HiprtcCompiler
+    from rocforge_rt.backends.gpu.hip import HiprtcCompiler
 
     compiler = HiprtcCompiler("gfx1100")  # unknown to HIP 5.2: its compiler crashes
     args = (HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": compiler.warp_size})
@@ -230,7 +230,7 @@ def test_hiprtc_crash_becomes_compile_error(get_compiler: Callable[[str], Compil
 
 def test_rdna_wave64_on_request(get_compiler: Callable[[str], Compiler]) -> None:
     get_compiler("gfx1030")  # skips (or fails under CI) when hiprtc is missing
-    from rocforge_rt.backends.hip import HiprtcCompiler
+    from rocforge_rt.backends.gpu.hip import HiprtcCompiler
 
     wave64 = HiprtcCompiler("gfx1030", warp_size=64)
     assert wave64.version != get_compiler("gfx1030").version  # distinct cache keys

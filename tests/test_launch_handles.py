@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from fake_driver import KERNELS, FakeDriver, FakeStatus
 
-from rocforge_rt.errors import BackendError
-from rocforge_rt.runtime.graph import StepGraph
-from rocforge_rt.runtime.launch import (
+from rocforge_rt.backends.gpu.graph import StepGraph
+from rocforge_rt.backends.gpu.launch import (
     ARG_CACHE_STATS,
     ArgLayout,
     LaunchHandle,
     arg_cache_enabled,
     set_arg_cache_enabled,
 )
+from rocforge_rt.errors import BackendError
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from fake_driver import KERNELS, FakeDriver
 
+from rocforge_rt.backends.gpu.launch import LaunchHandle
 from rocforge_rt.profiling import recommendations as rec
 from rocforge_rt.profiling.kernel_timer import KernelSpan, KernelTimer, TimedStep
 from rocforge_rt.profiling.launch_tracker import (
@@ -22,7 +23,6 @@ from rocforge_rt.profiling.launch_tracker import (
 )
 from rocforge_rt.profiling.op_timer import StepRecord
 from rocforge_rt.profiling.trace import ENGINE_TID, GPU_TID, LAUNCH_TID, chrome_trace
-from rocforge_rt.runtime.launch import LaunchHandle
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from rocforge_rt.engine.sampling import (
+from rocforge_rt.errors import EngineError
+from rocforge_rt.step.sampling import (
     GREEDY,
     RowSampling,
     Sampler,
@@ -18,7 +19,6 @@ from rocforge_rt.engine.sampling import (
     rank_order,
     sample_row,
 )
-from rocforge_rt.errors import EngineError
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.0], dtype=np.float32)
 

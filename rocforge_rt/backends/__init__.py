@@ -25,7 +25,7 @@ def resolve_backend_name(name: str) -> str:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name != "auto":
         return name
-    from rocforge_rt.backends import cuda, hip
+    from rocforge_rt.backends.gpu import cuda, hip
 
     if hip.device_count() > 0:
         return "hip"
@@ -40,7 +40,7 @@ def device_memory_bytes(name: str) -> int:
         import os
 
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    from rocforge_rt.backends import cuda, hip
+    from rocforge_rt.backends.gpu import cuda, hip
 
     return (cuda if name == "cuda" else hip).device_memory()
 
@@ -57,15 +57,15 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
         from rocforge_rt.backends.cpu import CpuBackend
 
         return CpuBackend(hparams, n_slots, n_ctx, **options)
-    from rocforge_rt.runtime.gpu_ops import GpuBackend
+    from rocforge_rt.backends.gpu.backend import GpuBackend
 
     if resolved == "cuda":
-        from rocforge_rt.backends.cuda import CudaDriver, NvrtcCompiler
+        from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
 
         driver = CudaDriver()
         compiler = NvrtcCompiler(arch=driver.info.arch)
     else:
-        from rocforge_rt.backends.hip import HipDriver, HiprtcCompiler
+        from rocforge_rt.backends.gpu.hip import HipDriver, HiprtcCompiler
 
         driver = HipDriver()
         compiler = HiprtcCompiler(driver.info.arch, warp_size=driver.info.warp_size)

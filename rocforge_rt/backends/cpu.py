@@ -13,12 +13,12 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from rocforge_rt.engine.batch import StepBatch
-from rocforge_rt.engine.forward import StepOutput
-from rocforge_rt.engine.rope import rope_tables
-from rocforge_rt.engine.sampling import sample_row
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import StepOutput
+from rocforge_rt.step.rope import rope_tables
+from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32
 

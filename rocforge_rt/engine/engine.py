@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 from rocforge_rt.backends import Backend, create_backend
-from rocforge_rt.engine.batch import StepBatch
-from rocforge_rt.engine.forward import ForwardOps, StepOutput, forward, upload_weights
 from rocforge_rt.engine.kv_cache import SlotAllocator
-from rocforge_rt.engine.sampling import RowSampling, Sampler, SamplingParams
 from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.errors import EngineError
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import ForwardOps, StepOutput, forward, upload_weights
+from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
 

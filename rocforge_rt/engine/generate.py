@@ -5,9 +5,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.sampling import SamplingParams
 from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.step.sampling import SamplingParams
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from rocforge_rt.engine.sampling import SampledToken, Sampler
 from rocforge_rt.engine.stopping import FinishReason, StopStringFilter
 from rocforge_rt.model.tokenizer import TextStream
+from rocforge_rt.step.sampling import SampledToken, Sampler
 
 
 @dataclass(frozen=True)

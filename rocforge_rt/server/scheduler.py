@@ -31,7 +31,6 @@ import zmq
 
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
-from rocforge_rt.engine.sampling import SamplingParams
 from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
@@ -47,6 +46,7 @@ from rocforge_rt.server.protocol import (
     ok_reply,
     pack,
 )
+from rocforge_rt.step.sampling import SamplingParams
 
 log = logging.getLogger("rocforge.server")
 

@@ -1,7 +1,7 @@
 """The forward ops on a GPU: weights repacked at load, each op one or a few kernel launches.
 
-Works over any driver with the interface of backends/cuda.py (CUDA) and
-backends/hip.py (HIP). Per-step values (tokens, positions, KV slots) live in a
+Works over any driver with the interface of backends/gpu/cuda.py (CUDA) and
+backends/gpu/hip.py (HIP). Per-step values (tokens, positions, KV slots) live in a
 device step-state buffer that the kernels read through pointers, so a launch
 handle's arguments are the same bytes from one decode step to the next.
 """
@@ -15,18 +15,18 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from rocforge_rt.engine.batch import StepBatch
-from rocforge_rt.engine.forward import StepOutput
-from rocforge_rt.engine.rope import rope_tables
-from rocforge_rt.engine.sampling import MAX_LOGPROBS, ROW_PARAMS_DTYPE, RowSampling
+from rocforge_rt.backends.gpu.graph import StepGraph
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
+from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
-from rocforge_rt.runtime.graph import StepGraph
-from rocforge_rt.runtime.kernel_library import KernelLibrary
-from rocforge_rt.runtime.launch import ARG_CACHE_STATS, LaunchHandle
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import StepOutput
+from rocforge_rt.step.rope import rope_tables
+from rocforge_rt.step.sampling import MAX_LOGPROBS, ROW_PARAMS_DTYPE, RowSampling
 
 QK = 32  # elements per quant block
 Q8_STAGE = 2  # blocks per stage of the canonical matmul sum (kernels/rf_q8.h RF_Q8_STAGE)

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rocforge_rt.engine.batch import StepBatch
-from rocforge_rt.engine.sampling import SampledToken
 from rocforge_rt.model.gguf_file import ModelFile
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.sampling import SampledToken
 
 # Per layer, in order: the launches a decode step makes (DESIGN.md, launch budget).
 LAYER_OPS = (
@@ -63,7 +63,7 @@ class StepOutput:
 class StepRunner(Protocol):
     """How a backend runs one step: `run_forward` issues the forward's ops (eagerly, or
     under capture for a graph), then the backend picks each logits row's token under
-    `batch.sampling` (engine/sampling.py's rules) and reads back."""
+    `batch.sampling` (step/sampling.py's rules) and reads back."""
 
     def run_step(
         self, batch: StepBatch, run_forward: Callable[[], Any], want_logits: bool

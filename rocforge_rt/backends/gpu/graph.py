@@ -26,9 +26,9 @@ import contextlib
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-from rocforge_rt.backends.device import DeviceBuffer
+from rocforge_rt.backends.gpu.driver import DeviceBuffer
+from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.errors import BackendError
-from rocforge_rt.runtime.launch import ARG_CACHE_STATS, LaunchHandle
 
 
 class StepGraph:

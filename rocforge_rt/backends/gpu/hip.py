@@ -3,12 +3,12 @@
 `HiprtcCompiler` turns a kernel source into an AMD code object (ELF) for one
 gfx target. `HipDriver` runs code on one device through the HIP module API
 (blocking streams, thread-local stream capture); its interface and its
-executor-thread contract live in `rocforge_rt.backends.device`, and this module
+executor-thread contract live in `rocforge_rt.backends.gpu.driver`, and this module
 holds only the API calls. Without an AMD GPU (CI) only `device_count() == 0`
 and the constructor's error are exercised: kernel execution on AMD stays
 unverified until an AMD GPU runs the test suite.
 
-hiprtc runs in a child process (``python -m rocforge_rt.backends.hip``, one JSON
+hiprtc runs in a child process (``python -m rocforge_rt.backends.gpu.hip``, one JSON
 request on stdin, one JSON reply): the HIP 5.2 compiler that Debian ships
 crashes on targets it does not know (gfx942, gfx1100), and a crash must become
 a `KernelCompileError`, not take the runtime down.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rocforge_rt.backends.device import DeviceInfo, Driver, check
+from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver, check
 from rocforge_rt.errors import BackendError, KernelCompileError, RocforgeError
 
 # Options every compile gets; with the wavefront option, part of
@@ -42,7 +42,7 @@ _ARCH_RE = re.compile(r"^gfx[0-9a-f]+(:[a-z]+[+-])*$")
 # ".../comgr-XXXX/input/CompileSource", a header ".../comgr-XXXX/include/NAME".
 _COMGR_SOURCE_RE = re.compile(r"\S*/comgr-\w+/input/CompileSource")
 _COMGR_INCLUDE_RE = re.compile(r"\S*/comgr-\w+/include/")
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 REPO_ROCM_DIR = _PACKAGE_ROOT / ".rocm"
 
 
@@ -155,7 +155,7 @@ def _run_worker(
     """Run one request in a child process; a crash or a hang raises `error`."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "rocforge_rt.backends.hip"],
+            [sys.executable, "-m", "rocforge_rt.backends.gpu.hip"],
             input=json.dumps(request).encode(),
             capture_output=True,
             timeout=timeout_s,

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.sampling import SamplingParams
+from rocforge_rt.step.sampling import SamplingParams
 
 
 def decode_tokens_per_s(

@@ -61,7 +61,7 @@ class CodeObject:
 def kernels_dir() -> Path:
     """The kernel sources: $ROCFORGE_KERNELS_DIR, else ``kernels/`` beside the package."""
     override = os.environ.get("ROCFORGE_KERNELS_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "kernels"
+    return Path(override) if override else Path(__file__).resolve().parents[3] / "kernels"
 
 
 def default_cache_dir() -> Path:

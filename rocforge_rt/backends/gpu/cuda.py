@@ -5,7 +5,7 @@ architecture (never PTX: the GPU machines run a CUDA 13.0 driver, and a cubin
 from any 13.x NVRTC loads there). `CudaDriver` runs code on one device through
 the driver API (primary context, blocking streams, thread-local stream
 capture); its interface and its executor-thread contract live in
-`rocforge_rt.backends.device`, and this module holds only the API calls.
+`rocforge_rt.backends.gpu.driver`, and this module holds only the API calls.
 
 cuda-bindings is imported lazily so that this module imports on a machine
 without it; constructing a compiler or a driver then raises `BackendError`.
@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rocforge_rt.backends.device import DeviceInfo, Driver, check
+from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver, check
 from rocforge_rt.errors import BackendError, KernelCompileError
 
 # Options every compile gets; part of `NvrtcCompiler.version` so that a change

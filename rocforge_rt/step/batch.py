@@ -5,7 +5,7 @@ from typing import Literal
 
 import numpy as np
 
-from rocforge_rt.engine.sampling import RowSampling
+from rocforge_rt.step.sampling import RowSampling
 
 
 @dataclass(frozen=True)

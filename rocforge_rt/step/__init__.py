@@ -1,0 +1,1 @@
+"""The contract of one forward step, shared by every backend and the engine."""
