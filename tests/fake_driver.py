@@ -1,8 +1,11 @@
-"""A `Driver` over host memory for tests without a GPU.
+"""`FakeDriver`: a `Driver` over host memory for tests without a GPU.
 
-`FakeDriver` is the real `Driver` base over host memory: a launch reads its
-arguments through the kernelParams pointer array, as the CUDA/HIP driver does,
-and a graph keeps copies of the argument bytes it captured. Its device clock
+`FakeDriver` is the real `Driver` base with itself as the binding module: its
+`api_names` table maps every primitive to one of its ``fake*`` functions,
+which return ``(status, *values)`` as cuda-bindings and hip-python do, so
+failures go through `check` like a vendor's. A launch reads its arguments
+through the kernelParams pointer array, as the CUDA/HIP driver does, and a
+graph keeps copies of the argument bytes it captured. Its device clock
 (`clock_us`) stands still except where a kernel runs (a launch advances it by
 that kernel's `durations_us` entry) or a test moves it; timing events record
 it, so elapsed times are exact.
@@ -12,23 +15,60 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver
-from rocforge_rt.errors import BackendError
 
 
 class FakeStatus(enum.IntEnum):
+    OUT_OF_MEMORY = 2
+    NOT_FOUND = 500
     BAD = 719
 
 
 SIZES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "i64": 8}
 KERNELS = {"k": ("ptr", "i32", "f32", "ptr"), "copy": ("ptr", "ptr", "i32")}
+INFO = DeviceInfo("fake", "Fake", "sm_0", 32, 4, 1 << 30, 1 << 20, 48 << 10)
 
 
 class FakeDriver(Driver):
     """Host memory for device memory; launches log (kernel, argument bytes) as the GPU would see."""
+
+    api_names = {
+        "alloc": "fakeMalloc",
+        "free": "fakeFree",
+        "host_alloc": "fakeMalloc",
+        "host_free": "fakeFree",
+        "copy_htod": "fakeMemcpy",
+        "copy_htod_async": "fakeMemcpy",
+        "copy_dtoh": "fakeMemcpy",
+        "copy_dtoh_async": "fakeMemcpy",
+        "memset": "fakeMemsetD8Async",
+        "stream_create": "fakeStreamCreate",
+        "event_create": "fakeEventCreate",
+        "event_record": "fakeEventRecord",
+        "event_elapsed": "fakeEventElapsedTime",
+        "module_load": "fakeModuleLoadData",
+        "module_function": "fakeModuleGetFunction",
+        "begin_capture": "fakeStreamBeginCapture",
+        "end_capture": "fakeStreamEndCapture",
+        "graph_instantiate": "fakeGraphInstantiate",
+        "graph_launch": "fakeGraphLaunch",
+        **dict.fromkeys(
+            (
+                "synchronize",
+                "stream_destroy",
+                "stream_synchronize",
+                "event_destroy",
+                "event_synchronize",
+                "module_unload",
+                "graph_destroy",
+                "graph_exec_destroy",
+            ),
+            "fakeSuccess",
+        ),
+    }
 
     def __init__(self, kernels: dict[str, Sequence[str]] = KERNELS) -> None:
         self._kernels = kernels
@@ -36,62 +76,98 @@ class FakeDriver(Driver):
         self._capturing: dict[int, list[tuple[str, bytes]]] = {}
         self._streams = 0
         self.log: list[tuple[str, str, bytes]] = []  # ('launch' | 'replay', kernel, arg bytes)
-        self.prepared: list[tuple] = []  # _api_launcher calls
+        self.prepared: list[tuple] = []  # _launcher calls
+        self.launch_status = 0  # what launches return; nonzero makes them fail
         self.clock_us = 0.0
         self.durations_us: dict[str, float] = {}  # device time of each kernel's launch
-        super().__init__(DeviceInfo("fake", "Fake", "sm_0", 32, 4, 1 << 30, 1 << 20, 48 << 10))
+        super().__init__(
+            INFO,
+            self,
+            stream_flags=0,
+            event_no_timing_flags=1,
+            host_alloc_flags=0,
+            capture_mode=0,
+        )
 
-    def _raw(self, nbytes: int) -> int:
+    # --- the fake binding: (status, *values) like cuda-bindings and hip-python ---------------
+    def fakeSuccess(self, *args: Any) -> tuple[int]:
+        return (0,)
+
+    def fakeMalloc(self, nbytes: int, flags: int = 0) -> tuple[int, int]:
+        if nbytes > self.info.total_memory:
+            return (FakeStatus.OUT_OF_MEMORY, 0)
         block = ctypes.create_string_buffer(nbytes)
         self._memory[ctypes.addressof(block)] = block
-        return ctypes.addressof(block)
+        return (0, ctypes.addressof(block))
 
-    def _unraw(self, ptr: int) -> None:
+    def fakeFree(self, ptr: int) -> tuple[int]:
         del self._memory[ptr]
+        return (0,)
 
-    _api_alloc = _api_host_alloc = _raw
-    _api_free = _api_host_free = _unraw
-
-    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None:
+    def fakeMemcpy(self, dst: int, src: int, nbytes: int, stream: Any = None) -> tuple[int]:
         ctypes.memmove(dst, src, nbytes)
+        return (0,)
 
-    _api_copy_dtoh = _api_copy_htod
-
-    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        ctypes.memmove(dst, src, nbytes)
-
-    _api_copy_dtoh_async = _api_copy_htod_async
-
-    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
+    def fakeMemsetD8Async(self, dst: int, byte: int, nbytes: int, stream: Any) -> tuple[int]:
         ctypes.memset(dst, byte, nbytes)
+        return (0,)
 
-    def _api_stream_create(self) -> int:
+    def fakeStreamCreate(self, flags: int) -> tuple[int, int]:
         self._streams += 1
-        return self._streams
+        return (0, self._streams)
 
-    def _api_event_create(self, timing: bool) -> list[float]:
-        return [0.0]  # the device clock when last recorded
+    def fakeEventCreate(self, flags: int) -> tuple[int, list[float]]:
+        return (0, [0.0])  # the device clock when last recorded
 
-    def _api_event_record(self, event: Any, stream: Any) -> None:
+    def fakeEventRecord(self, event: list[float], stream: Any) -> tuple[int]:
         event[0] = self.clock_us
+        return (0,)
 
-    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float:
-        return (end[0] - start[0]) / 1e3
+    def fakeEventElapsedTime(self, start: list[float], end: list[float]) -> tuple[int, float]:
+        return (0, (end[0] - start[0]) / 1e3)
 
-    def _api_module_load(self, code: bytes) -> bytes:
-        return code
+    def fakeModuleLoadData(self, code: bytes) -> tuple[int, bytes]:
+        return (0, code)
 
-    def _api_module_function(self, module: Any, name: str) -> str:
-        if name not in self._kernels:
-            raise BackendError("fakeModuleGetFunction failed: NOT_FOUND (500)")
-        return name
+    def fakeModuleGetFunction(self, module: bytes, name: bytes) -> tuple[int, str | None]:
+        if name.decode() not in self._kernels:
+            return (FakeStatus.NOT_FOUND, None)
+        return (0, name.decode())
 
-    def _api_launcher(self, function, grid, block, shared_bytes, stream, params_ptr, overlap):
+    def fakeStreamBeginCapture(self, stream: int, mode: int) -> tuple[int]:
+        self._capturing[stream] = []
+        return (0,)
+
+    def fakeStreamEndCapture(self, stream: int) -> tuple[int, tuple[tuple[str, bytes], ...]]:
+        return (0, tuple(self._capturing.pop(stream)))
+
+    def fakeGraphInstantiate(self, graph: Any, flags: int) -> tuple[int, Any]:
+        return (0, graph)
+
+    def fakeGraphLaunch(self, exe: Any, stream: int) -> tuple[int]:
+        self.log.extend(("replay", name, args) for name, args in exe)
+        return (0,)
+
+    # --- what differs per vendor -------------------------------------------------------------
+    def _bind_thread(self) -> None:
+        pass
+
+    def _release_device(self) -> None:
+        pass
+
+    def _allow_dynamic_shared(self, function: Any, nbytes: int) -> None:
+        pass
+
+    def _launcher(
+        self, function, grid, block, shared_bytes, stream, params_ptr, overlap
+    ) -> tuple[str, Callable[[], tuple[int]]]:
         self.prepared.append((function, grid, block, shared_bytes, stream, params_ptr))
         types = self._kernels[function]
         pointers = (ctypes.c_void_p * len(types)).from_address(params_ptr)
 
         def launch() -> tuple[int]:
+            if self.launch_status:
+                return (self.launch_status,)
             args = b"".join(
                 ctypes.string_at(p, SIZES[t]) for p, t in zip(pointers, types, strict=True)
             )
@@ -102,25 +178,4 @@ class FakeDriver(Driver):
                 self.clock_us += self.durations_us.get(function, 0.0)
             return (0,)
 
-        return launch
-
-    def _api_begin_capture(self, stream: Any) -> None:
-        self._capturing[stream] = []
-
-    def _api_end_capture(self, stream: Any) -> tuple[tuple[str, bytes], ...]:
-        return tuple(self._capturing.pop(stream))
-
-    def _api_graph_instantiate(self, graph: Any) -> Any:
-        return graph
-
-    def _api_graph_launch(self, exe: Any, stream: Any) -> None:
-        self.log.extend(("replay", name, args) for name, args in exe)
-
-    def _nothing(self, *args: Any) -> None:
-        pass
-
-    _api_bind_thread = _api_close = _api_synchronize = _nothing
-    _api_stream_destroy = _api_stream_synchronize = _nothing
-    _api_event_destroy = _api_event_synchronize = _nothing
-    _api_module_unload = _api_set_max_dynamic_shared = _nothing
-    _api_graph_destroy = _api_graph_exec_destroy = _nothing
+        return "fakeLaunchKernel", launch

@@ -4,8 +4,12 @@
 architecture (never PTX: the GPU machines run a CUDA 13.0 driver, and a cubin
 from any 13.x NVRTC loads there). `CudaDriver` runs code on one device through
 the driver API (primary context, blocking streams, thread-local stream
-capture); its interface and its executor-thread contract live in
-`rocforge_rt.backends.gpu.driver`, and this module holds only the API calls.
+capture); its interface, its generic calls and its executor-thread contract
+live in `rocforge_rt.backends.gpu.driver`: this module holds the driver-API
+name of each primitive, the flag values, device selection and information, and
+the launcher (cuLaunchKernel, or cuLaunchKernelEx for programmatic dependent
+launch). `device_count` and `device_memory` ask the driver API without a
+context.
 
 cuda-bindings is imported lazily so that this module imports on a machine
 without it; constructing a compiler or a driver then raises `BackendError`.
@@ -148,8 +152,35 @@ def device_memory(device_index: int = 0) -> int:
 class CudaDriver(Driver):
     """One NVIDIA device through the cuda-bindings driver API (its primary context)."""
 
-    _launch_api = "cuLaunchKernel"
-    _overlap_launch_api = "cuLaunchKernelEx"
+    api_names = {
+        "synchronize": "cuCtxSynchronize",
+        "alloc": "cuMemAlloc",
+        "free": "cuMemFree",
+        "host_alloc": "cuMemHostAlloc",
+        "host_free": "cuMemFreeHost",
+        "copy_htod": "cuMemcpyHtoD",
+        "copy_htod_async": "cuMemcpyHtoDAsync",
+        "copy_dtoh": "cuMemcpyDtoH",
+        "copy_dtoh_async": "cuMemcpyDtoHAsync",
+        "memset": "cuMemsetD8Async",
+        "stream_create": "cuStreamCreate",
+        "stream_destroy": "cuStreamDestroy",
+        "stream_synchronize": "cuStreamSynchronize",
+        "event_create": "cuEventCreate",
+        "event_destroy": "cuEventDestroy",
+        "event_record": "cuEventRecord",
+        "event_synchronize": "cuEventSynchronize",
+        "event_elapsed": "cuEventElapsedTime",
+        "module_load": "cuModuleLoadData",
+        "module_unload": "cuModuleUnload",
+        "module_function": "cuModuleGetFunction",
+        "begin_capture": "cuStreamBeginCapture",
+        "end_capture": "cuStreamEndCapture",
+        "graph_instantiate": "cuGraphInstantiate",
+        "graph_launch": "cuGraphLaunch",
+        "graph_destroy": "cuGraphDestroy",
+        "graph_exec_destroy": "cuGraphExecDestroy",
+    }
 
     def __init__(self, device_index: int = 0) -> None:
         cu = self._cu = _driver_api()
@@ -165,11 +196,17 @@ class CudaDriver(Driver):
         self._device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
         self._context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
         check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context))
-        self._capture_mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         self._max_dynamic_shared = (
             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         )
-        super().__init__(self._device_info())
+        super().__init__(
+            self._device_info(),
+            cu,
+            stream_flags=cu.CUstream_flags.CU_STREAM_DEFAULT,
+            event_no_timing_flags=cu.CUevent_flags.CU_EVENT_DISABLE_TIMING,
+            host_alloc_flags=0,
+            capture_mode=cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
         # Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer.
         self.supports_overlap = int(self.info.arch[3:].rstrip("af")) >= 90
 
@@ -196,82 +233,18 @@ class CudaDriver(Driver):
             max_shared_per_block=get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
         )
 
-    def _api_bind_thread(self) -> None:
+    def _bind_thread(self) -> None:
         check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
 
-    def _api_close(self) -> None:
+    def _release_device(self) -> None:
         check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
 
-    def _api_synchronize(self) -> None:
-        check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
-
-    def _api_alloc(self, nbytes: int) -> int:
-        return int(check("cuMemAlloc", self._cu.cuMemAlloc(nbytes)))
-
-    def _api_free(self, ptr: int) -> None:
-        check("cuMemFree", self._cu.cuMemFree(ptr))
-
-    def _api_host_alloc(self, nbytes: int) -> int:
-        return int(check("cuMemHostAlloc", self._cu.cuMemHostAlloc(nbytes, 0)))
-
-    def _api_host_free(self, ptr: int) -> None:
-        check("cuMemFreeHost", self._cu.cuMemFreeHost(ptr))
-
-    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None:
-        check("cuMemcpyHtoD", self._cu.cuMemcpyHtoD(dst, src, nbytes))
-
-    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        check("cuMemcpyHtoDAsync", self._cu.cuMemcpyHtoDAsync(dst, src, nbytes, stream))
-
-    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
-        check("cuMemcpyDtoH", self._cu.cuMemcpyDtoH(dst, src, nbytes))
-
-    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        check("cuMemcpyDtoHAsync", self._cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream))
-
-    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
-        check("cuMemsetD8Async", self._cu.cuMemsetD8Async(dst, byte, nbytes, stream))
-
-    def _api_stream_create(self) -> Any:
-        flags = self._cu.CUstream_flags.CU_STREAM_DEFAULT  # blocking: ordered with the null stream
-        return check("cuStreamCreate", self._cu.cuStreamCreate(flags))
-
-    def _api_stream_destroy(self, stream: Any) -> None:
-        check("cuStreamDestroy", self._cu.cuStreamDestroy(stream))
-
-    def _api_stream_synchronize(self, stream: Any) -> None:
-        check("cuStreamSynchronize", self._cu.cuStreamSynchronize(stream))
-
-    def _api_event_create(self, timing: bool) -> Any:
-        flags = 0 if timing else self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        return check("cuEventCreate", self._cu.cuEventCreate(flags))
-
-    def _api_event_destroy(self, event: Any) -> None:
-        check("cuEventDestroy", self._cu.cuEventDestroy(event))
-
-    def _api_event_record(self, event: Any, stream: Any) -> None:
-        check("cuEventRecord", self._cu.cuEventRecord(event, stream))
-
-    def _api_event_synchronize(self, event: Any) -> None:
-        check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
-
-    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(check("cuEventElapsedTime", self._cu.cuEventElapsedTime(start, end)))
-
-    def _api_module_load(self, code: bytes) -> Any:
-        return check("cuModuleLoadData", self._cu.cuModuleLoadData(code))
-
-    def _api_module_unload(self, module: Any) -> None:
-        check("cuModuleUnload", self._cu.cuModuleUnload(module))
-
-    def _api_module_function(self, module: Any, name: str) -> Any:
-        return check("cuModuleGetFunction", self._cu.cuModuleGetFunction(module, name.encode()))
-
-    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None:
+    def _allow_dynamic_shared(self, function: Any, nbytes: int) -> None:
+        """Past 48 KiB a kernel's dynamic shared memory needs this opt-in."""
         result = self._cu.cuFuncSetAttribute(function, self._max_dynamic_shared, nbytes)
         check("cuFuncSetAttribute", result)
 
-    def _api_launcher(
+    def _launcher(
         self,
         function: Any,
         grid: tuple[int, int, int],
@@ -280,13 +253,14 @@ class CudaDriver(Driver):
         stream: Any,
         params_ptr: int,
         overlap: bool,
-    ) -> Callable[[], Any]:
+    ) -> tuple[str, Callable[[], Any]]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
         cu = self._cu
         if not overlap:
-            return functools.partial(
+            call = functools.partial(
                 cu.cuLaunchKernel, function, *grid, *block, shared_bytes, stream, params_ptr, 0
             )
+            return "cuLaunchKernel", call
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
@@ -297,22 +271,6 @@ class CudaDriver(Driver):
         attribute.value.programmaticStreamSerializationAllowed = 1
         config.attrs = [attribute]
         config.numAttrs = 1
-        return functools.partial(cu.cuLaunchKernelEx, config, function, params_ptr, 0)
-
-    def _api_begin_capture(self, stream: Any) -> None:
-        check("cuStreamBeginCapture", self._cu.cuStreamBeginCapture(stream, self._capture_mode))
-
-    def _api_end_capture(self, stream: Any) -> Any:
-        return check("cuStreamEndCapture", self._cu.cuStreamEndCapture(stream))
-
-    def _api_graph_instantiate(self, graph: Any) -> Any:
-        return check("cuGraphInstantiate", self._cu.cuGraphInstantiate(graph, 0))
-
-    def _api_graph_launch(self, exe: Any, stream: Any) -> None:
-        check("cuGraphLaunch", self._cu.cuGraphLaunch(exe, stream))
-
-    def _api_graph_destroy(self, graph: Any) -> None:
-        check("cuGraphDestroy", self._cu.cuGraphDestroy(graph))
-
-    def _api_graph_exec_destroy(self, exe: Any) -> None:
-        check("cuGraphExecDestroy", self._cu.cuGraphExecDestroy(exe))
+        return "cuLaunchKernelEx", functools.partial(
+            cu.cuLaunchKernelEx, config, function, params_ptr, 0
+        )

@@ -1,13 +1,21 @@
-"""The device-neutral half of the GPU drivers: records, counters, the executor-thread rule.
+"""The GPU driver interface and its vendor-neutral implementation.
 
-`Driver` implements the interface the runtime uses (memory, copies, streams,
-events, modules, launches, stream capture -> graph -> replay) once, on top of
-`_api_*` primitives that each vendor module (``cuda.py``, ``hip.py``) supplies,
-one checked API call apiece (the launch primitive returns the call with its
-arguments bound, for `prepare_launch`, which checks each result). The records
-it hands out (`DeviceBuffer`, `PinnedBuffer`, `Stream`, `Event`, `Module`,
-`Function`, `Graph`, `GraphExec`) are plain Python objects holding the vendor
-handle; whatever is not released explicitly is released by `Driver.close()`.
+Holds `Driver`, the interface the runtime uses (memory, copies, streams, events,
+modules, launches, stream capture -> graph -> replay), the records it hands out
+(`DeviceBuffer`, `PinnedBuffer`, `Stream`, `Event`, `Module`, `Function`,
+`Graph`, `GraphExec`: plain Python objects holding the vendor handle), its
+`DeviceInfo` and `DriverCounters`, and `check`, which turns a binding's status
+into a `BackendError`.
+
+One call path for both vendors: every primitive in `PRIMITIVES` (an allocation,
+a copy, a stream or graph call...) runs as ``check(name, api.<name>(*args))``,
+where `api` is the vendor's binding module (cuda-bindings' ``driver``,
+hip-python's ``hip``) and `name` comes from the vendor's `Driver.api_names`
+table (``"alloc": "cuMemAlloc"`` / ``"alloc": "hipMalloc"``), so that errors
+name the vendor call and its status. A vendor module (``cuda.py``, ``hip.py``)
+supplies that table, its flag values and what truly differs: device selection,
+the launcher, thread binding, the shared-memory opt-in and the release of the
+device. Whatever is not released explicitly is released by `Driver.close()`.
 
 Executor contract: a driver belongs to one thread, the engine's executor (the
 thread that made it, or one that called `claim_executor_thread`). Every call
@@ -26,24 +34,53 @@ stream), counted as a sync, and illegal during stream capture.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from rocforge_rt.errors import BackendError
 
-# Generation ids of device memory: each (re)allocation and each free takes a new
-# one, so a graph that remembers a buffer's generation sees any reallocation.
-_GENERATIONS = itertools.count(1)
 _get_ident = threading.get_ident
 
 # Release order at close: graph execs, graphs, events, streams, modules, memory.
 _EXEC, _GRAPH, _EVENT, _STREAM, _MODULE, _PINNED, _DEVICE = range(7)
+
+# What `Driver` runs through its one generic call (`Driver._call`), with the
+# arguments it passes, in the order both vendors' functions take them; each
+# vendor's `Driver.api_names` maps every one to its binding function.
+PRIMITIVES = (
+    "synchronize",  # () waits for the whole device
+    "alloc",  # (nbytes) -> device pointer
+    "free",  # (ptr)
+    "host_alloc",  # (nbytes, flags) -> page-locked host pointer
+    "host_free",  # (ptr)
+    "copy_htod",  # (dst, src, nbytes), synchronous
+    "copy_htod_async",  # (dst, src, nbytes, stream)
+    "copy_dtoh",  # (dst, src, nbytes), synchronous
+    "copy_dtoh_async",  # (dst, src, nbytes, stream)
+    "memset",  # (dst, byte, nbytes, stream)
+    "stream_create",  # (flags) -> stream
+    "stream_destroy",  # (stream)
+    "stream_synchronize",  # (stream)
+    "event_create",  # (flags) -> event
+    "event_destroy",  # (event)
+    "event_record",  # (event, stream)
+    "event_synchronize",  # (event)
+    "event_elapsed",  # (start, end) -> milliseconds
+    "module_load",  # (code) -> module
+    "module_unload",  # (module)
+    "module_function",  # (module, name as bytes) -> function
+    "begin_capture",  # (stream, capture mode)
+    "end_capture",  # (stream) -> graph
+    "graph_instantiate",  # (graph, 0) -> executable graph
+    "graph_launch",  # (exec, stream)
+    "graph_destroy",  # (graph)
+    "graph_exec_destroy",  # (exec)
+)
 
 
 @dataclass(frozen=True)
@@ -92,22 +129,21 @@ def check(api_name: str, result: Any) -> Any:
 
 
 class DeviceBuffer:
-    """Device memory: `ptr` (an int) and `nbytes`; `generation` changes on every reallocation."""
+    """Device memory: `ptr` (an int, 0 once freed) and `nbytes`."""
 
-    __slots__ = ("_driver", "generation", "nbytes", "ptr")
+    __slots__ = ("_driver", "nbytes", "ptr")
 
     def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
         self._driver = driver
         self.ptr = ptr
         self.nbytes = nbytes
-        self.generation = next(_GENERATIONS)
 
     def free(self) -> None:
         """Release the memory now (otherwise `Driver.close` does); `ptr` becomes 0."""
         self._driver.free(self)
 
     def __repr__(self) -> str:
-        return f"DeviceBuffer(ptr={self.ptr:#x}, nbytes={self.nbytes}, gen={self.generation})"
+        return f"DeviceBuffer(ptr={self.ptr:#x}, nbytes={self.nbytes})"
 
 
 class PinnedBuffer:
@@ -258,25 +294,53 @@ def _device_span(buf: DeviceBuffer, offset: int, nbytes: int) -> int:
 
 
 class Driver(ABC):
-    """One device, driven from one executor thread; vendor subclasses supply `_api_*`.
+    """One device, driven from one executor thread, through a vendor's binding module.
 
-    A subclass's ``__init__`` initializes the API, makes the device current on
-    the calling thread and then calls ``super().__init__(info)``; it names its
-    launch calls in `_launch_api` and `_overlap_launch_api` for error messages.
+    A subclass declares `api_names` (each name in `PRIMITIVES` -> the function of
+    its binding module that does it) and implements the abstract hooks, what
+    differs per vendor. Its ``__init__`` initializes the API, makes the device
+    current on the calling thread and then calls ``super().__init__`` with the
+    device info, the binding module and the values its functions take:
+    `stream_flags` for blocking streams (ordered with the null stream),
+    `event_no_timing_flags`, `host_alloc_flags` for plain page-locked memory and
+    `capture_mode` for thread-local stream capture.
     """
 
-    _launch_api = "launch"
-    _overlap_launch_api = "launch"  # the call that launches with overlap, for error messages
+    api_names: ClassVar[Mapping[str, str]]
     # Whether kernels may be launched to overlap the previous kernel's tail (programmatic
     # dependent launch; the kernels wait for it themselves, kernels/rf_portability.h).
     supports_overlap = False
 
-    def __init__(self, info: DeviceInfo) -> None:
+    def __init__(
+        self,
+        info: DeviceInfo,
+        api: Any,
+        *,
+        stream_flags: Any,
+        event_no_timing_flags: Any,
+        host_alloc_flags: Any,
+        capture_mode: Any,
+    ) -> None:
+        if differ := set(PRIMITIVES) ^ set(self.api_names):
+            raise TypeError(f"{type(self).__name__}.api_names differs from PRIMITIVES in {differ}")
+        try:
+            self._calls = {p: (name, getattr(api, name)) for p, name in self.api_names.items()}
+        except AttributeError as exc:
+            raise BackendError(f"the {info.vendor} binding lacks a function: {exc}") from None
+        self._stream_flags = stream_flags
+        self._event_no_timing_flags = event_no_timing_flags
+        self._host_alloc_flags = host_alloc_flags
+        self._capture_mode = capture_mode
         self.info = info
         self.counters = DriverCounters()
         self.owner_thread: int | None = threading.get_ident()
         self._owner_name = threading.current_thread().name
         self._owned: dict[int, tuple[int, Callable[[], None]]] = {}
+
+    def _call(self, primitive: str, *args: Any) -> Any:
+        """Run one of `PRIMITIVES` through the vendor's function; `check` names it on failure."""
+        name, function = self._calls[primitive]
+        return check(name, function(*args))
 
     # --- executor thread ---------------------------------------------------------------------
     def check_thread(self) -> None:
@@ -296,7 +360,7 @@ class Driver(ABC):
         """Make the calling thread the executor; the previous one must have stopped using it."""
         if self.owner_thread is None:
             raise BackendError(f"{self.info.vendor} driver is closed")
-        self._api_bind_thread()
+        self._bind_thread()
         self.owner_thread = threading.get_ident()
         self._owner_name = threading.current_thread().name
 
@@ -306,26 +370,17 @@ class Driver(ABC):
         self.check_thread()
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
-        buf = DeviceBuffer(self, self._api_alloc(nbytes), nbytes)
+        buf = DeviceBuffer(self, int(self._call("alloc", nbytes)), nbytes)
         self._own(buf, _DEVICE, lambda: self._free_device(buf))
         return buf
-
-    def realloc(self, buf: DeviceBuffer, nbytes: int) -> None:
-        """Give `buf` new memory of `nbytes` (contents lost); its generation changes."""
-        self.check_thread()
-        if nbytes <= 0:
-            raise ValueError(f"allocation size must be positive, got {nbytes}")
-        ptr = self._api_alloc(nbytes)
-        self._free_device(buf)
-        buf.ptr, buf.nbytes, buf.generation = ptr, nbytes, next(_GENERATIONS)
-        self._own(buf, _DEVICE, lambda: self._free_device(buf))
 
     def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
         """Page-locked host memory."""
         self.check_thread()
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
-        buf = PinnedBuffer(self, self._api_host_alloc(nbytes), nbytes)
+        ptr = int(self._call("host_alloc", nbytes, self._host_alloc_flags))
+        buf = PinnedBuffer(self, ptr, nbytes)
         self._own(buf, _PINNED, lambda: self._free_pinned(buf))
         return buf
 
@@ -349,13 +404,13 @@ class Driver(ABC):
             if count > src.nbytes:
                 raise ValueError(f"{count} bytes requested from a {src.nbytes}-byte pinned buffer")
             target = _device_span(dst, dst_offset, count)
-            self._api_copy_htod_async(target, src.ptr, count, _handle(stream))
+            self._call("copy_htod_async", target, src.ptr, count, _handle(stream))
             return
         host, size = _host_span(src, writable=False)
         count = size if nbytes is None else nbytes
         if count > size:
             raise ValueError(f"{count} bytes requested from a {size}-byte host array")
-        self._api_copy_htod(_device_span(dst, dst_offset, count), host, count)
+        self._call("copy_htod", _device_span(dst, dst_offset, count), host, count)
         self.counters.syncs += 1
 
     def copy_dtoh(
@@ -377,67 +432,70 @@ class Driver(ABC):
             raise ValueError(f"{count} bytes do not fit a {size}-byte host destination")
         source = _device_span(src, src_offset, count)
         if isinstance(dst, PinnedBuffer):
-            self._api_copy_dtoh_async(host, source, count, _handle(stream))
+            self._call("copy_dtoh_async", host, source, count, _handle(stream))
             return
-        self._api_copy_dtoh(host, source, count)
+        self._call("copy_dtoh", host, source, count)
         self.counters.syncs += 1
 
     def memset(self, dst: DeviceBuffer, byte: int, stream: Stream | None = None) -> None:
         """Set every byte of `dst` to `byte`, asynchronously on `stream`."""
         self.check_thread()
-        self._api_memset(_device_span(dst, 0, dst.nbytes), byte, dst.nbytes, _handle(stream))
+        target = _device_span(dst, 0, dst.nbytes)
+        self._call("memset", target, byte, dst.nbytes, _handle(stream))
 
     # --- streams and events ------------------------------------------------------------------
     def create_stream(self) -> Stream:
+        """A blocking stream: ordered with the null stream, hence with synchronous copies."""
         self.check_thread()
-        stream = Stream(self, self._api_stream_create())
-        self._own(stream, _STREAM, lambda: self._api_stream_destroy(stream.handle))
+        stream = Stream(self, self._call("stream_create", self._stream_flags))
+        self._own(stream, _STREAM, lambda: self._call("stream_destroy", stream.handle))
         return stream
 
     def stream_synchronize(self, stream: Stream) -> None:
         self.check_thread()
-        self._api_stream_synchronize(stream.handle)
+        self._call("stream_synchronize", stream.handle)
         self.counters.syncs += 1
 
     def create_event(self, timing: bool = True) -> Event:
         self.check_thread()
-        event = Event(self, self._api_event_create(timing), timing)
-        self._own(event, _EVENT, lambda: self._api_event_destroy(event.handle))
+        flags = 0 if timing else self._event_no_timing_flags
+        event = Event(self, self._call("event_create", flags), timing)
+        self._own(event, _EVENT, lambda: self._call("event_destroy", event.handle))
         return event
 
     def event_record(self, event: Event, stream: Stream) -> None:
         self.check_thread()
-        self._api_event_record(event.handle, stream.handle)
+        self._call("event_record", event.handle, stream.handle)
 
     def event_synchronize(self, event: Event) -> None:
         self.check_thread()
-        self._api_event_synchronize(event.handle)
+        self._call("event_synchronize", event.handle)
         self.counters.syncs += 1
 
     def event_elapsed_ms(self, start: Event, end: Event) -> float:
         self.check_thread()
         if not (start.timing and end.timing):
             raise BackendError("elapsed time needs two events created with timing=True")
-        return self._api_event_elapsed_ms(start.handle, end.handle)
+        return float(self._call("event_elapsed", start.handle, end.handle))
 
     def synchronize(self) -> None:
         """Block until all work on the device has run (counted as a sync)."""
         self.check_thread()
-        self._api_synchronize()
+        self._call("synchronize")
         self.counters.syncs += 1
 
     # --- modules and launches ----------------------------------------------------------------
     def load_module(self, code: bytes) -> Module:
         """Load a code object compiled for this device (see `KernelLibrary`)."""
         self.check_thread()
-        module = Module(self, self._api_module_load(code), code)
-        self._own(module, _MODULE, lambda: self._api_module_unload(module.handle))
+        module = Module(self, self._call("module_load", code), code)
+        self._own(module, _MODULE, lambda: self._call("module_unload", module.handle))
         return module
 
     def module_function(self, module: Module, name: str) -> Function:
         self.check_thread()
         try:
-            handle = self._api_module_function(module.handle, name)
+            handle = self._call("module_function", module.handle, name.encode())
         except BackendError as exc:
             raise BackendError(f"{exc}: kernel {name!r} is not in this module") from None
         return Function(self, handle, name)
@@ -449,7 +507,7 @@ class Driver(ABC):
                 f"{function.name}: {nbytes} bytes of shared memory exceed the device's "
                 f"{self.info.max_shared_per_block} per block"
             )
-        self._api_set_max_dynamic_shared(function.handle, nbytes)
+        self._allow_dynamic_shared(function.handle, nbytes)
 
     def prepare_launch(
         self,
@@ -472,10 +530,9 @@ class Driver(ABC):
         """
         self.check_thread()
         overlap = overlap and self.supports_overlap
-        call = self._api_launcher(
+        api, call = self._launcher(
             function.handle, grid, block, shared_bytes, stream.handle, params_ptr, overlap
         )
-        api = self._overlap_launch_api if overlap else self._launch_api
         counters = self.counters
 
         def launch() -> None:
@@ -509,25 +566,25 @@ class Driver(ABC):
         breaking the capture, without constraining other threads of the process.
         """
         self.check_thread()
-        self._api_begin_capture(stream.handle)
+        self._call("begin_capture", stream.handle, self._capture_mode)
 
     def end_capture(self, stream: Stream) -> Graph:
         """Stop recording `stream`; the graph holds copies of every captured launch's arguments."""
         self.check_thread()
-        graph = Graph(self, self._api_end_capture(stream.handle))
-        self._own(graph, _GRAPH, lambda: self._api_graph_destroy(graph.handle))
+        graph = Graph(self, self._call("end_capture", stream.handle))
+        self._own(graph, _GRAPH, lambda: self._call("graph_destroy", graph.handle))
         self.counters.captures += 1
         return graph
 
     def graph_instantiate(self, graph: Graph) -> GraphExec:
         self.check_thread()
-        exe = GraphExec(self, self._api_graph_instantiate(graph.handle))
-        self._own(exe, _EXEC, lambda: self._api_graph_exec_destroy(exe.handle))
+        exe = GraphExec(self, self._call("graph_instantiate", graph.handle, 0))
+        self._own(exe, _EXEC, lambda: self._call("graph_exec_destroy", exe.handle))
         return exe
 
     def graph_launch(self, exe: GraphExec, stream: Stream) -> None:
         self.check_thread()
-        self._api_graph_launch(exe.handle, stream.handle)
+        self._call("graph_launch", exe.handle, stream.handle)
         self.counters.graph_replays += 1
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -548,9 +605,9 @@ class Driver(ABC):
             return
         self.check_thread()
         first: BackendError | None = None
-        steps = [self._api_synchronize]
+        steps = [lambda: self._call("synchronize")]
         steps += [release for _, release in sorted(self._owned.values(), key=lambda e: e[0])]
-        steps.append(self._api_close)
+        steps.append(self._release_device)
         self._owned.clear()
         for step in steps:
             try:
@@ -572,65 +629,29 @@ class Driver(ABC):
 
     def _free_device(self, buf: DeviceBuffer) -> None:
         if buf.ptr:
-            self._api_free(buf.ptr)
-            buf.ptr, buf.generation = 0, next(_GENERATIONS)
+            self._call("free", buf.ptr)
+            buf.ptr = 0
 
     def _free_pinned(self, buf: PinnedBuffer) -> None:
         if buf.ptr:
-            self._api_host_free(buf.ptr)
+            self._call("host_free", buf.ptr)
             buf.ptr, buf._bytes = 0, np.empty(0, dtype=np.uint8)
 
-    # --- vendor primitives: one checked API call each ------------------------------------------
+    # --- what differs per vendor -------------------------------------------------------------
     @abstractmethod
-    def _api_bind_thread(self) -> None: ...
+    def _bind_thread(self) -> None:
+        """Make the device current on the calling thread (the new executor)."""
+
     @abstractmethod
-    def _api_close(self) -> None: ...
+    def _release_device(self) -> None:
+        """Let go of the device, last step of `close` (a context, where the vendor has one)."""
+
     @abstractmethod
-    def _api_synchronize(self) -> None: ...
+    def _allow_dynamic_shared(self, function: Any, nbytes: int) -> None:
+        """Let `function` launch with `nbytes` of dynamic shared memory (an opt-in, or nothing)."""
+
     @abstractmethod
-    def _api_alloc(self, nbytes: int) -> int: ...
-    @abstractmethod
-    def _api_free(self, ptr: int) -> None: ...
-    @abstractmethod
-    def _api_host_alloc(self, nbytes: int) -> int: ...
-    @abstractmethod
-    def _api_host_free(self, ptr: int) -> None: ...
-    @abstractmethod
-    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None: ...
-    @abstractmethod
-    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None: ...
-    @abstractmethod
-    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_stream_create(self) -> Any: ...
-    @abstractmethod
-    def _api_stream_destroy(self, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_stream_synchronize(self, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_event_create(self, timing: bool) -> Any: ...
-    @abstractmethod
-    def _api_event_destroy(self, event: Any) -> None: ...
-    @abstractmethod
-    def _api_event_record(self, event: Any, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_event_synchronize(self, event: Any) -> None: ...
-    @abstractmethod
-    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float: ...
-    @abstractmethod
-    def _api_module_load(self, code: bytes) -> Any: ...
-    @abstractmethod
-    def _api_module_unload(self, module: Any) -> None: ...
-    @abstractmethod
-    def _api_module_function(self, module: Any, name: str) -> Any: ...
-    @abstractmethod
-    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None: ...
-    @abstractmethod
-    def _api_launcher(
+    def _launcher(
         self,
         function: Any,
         grid: tuple[int, int, int],
@@ -639,25 +660,12 @@ class Driver(ABC):
         stream: Any,
         params_ptr: int,
         overlap: bool,
-    ) -> Callable[[], Any]:
-        """The launch API call with all arguments bound, returning its raw result tuple.
+    ) -> tuple[str, Callable[[], Any]]:
+        """The launch API's name and its call with all arguments bound, returning the raw result.
 
         `overlap` (only passed True where `supports_overlap`): launch with programmatic
         dependent launch, so the kernel may start before the previous one finishes.
         """
-
-    @abstractmethod
-    def _api_begin_capture(self, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_end_capture(self, stream: Any) -> Any: ...
-    @abstractmethod
-    def _api_graph_instantiate(self, graph: Any) -> Any: ...
-    @abstractmethod
-    def _api_graph_launch(self, exe: Any, stream: Any) -> None: ...
-    @abstractmethod
-    def _api_graph_destroy(self, graph: Any) -> None: ...
-    @abstractmethod
-    def _api_graph_exec_destroy(self, exe: Any) -> None: ...
 
 
 def _handle(stream: Stream | None) -> Any:

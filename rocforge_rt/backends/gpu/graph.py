@@ -1,13 +1,12 @@
-"""Graph replay of one step: captured once, replayed as one launch, never stale.
+"""`StepGraph`: one step's launches captured once into a graph, replayed as one launch.
 
 `StepGraph.capture(record)` runs `record()` under stream capture; `record`
 issues the step's launches through `LaunchHandle`s on the graph's stream and
 returns every handle it launched (one entry per launch). A graph holds copies
 of the arguments it captured, so before each `replay()` the graph checks that
-no captured handle was repacked since (its `version`), that no registered
-buffer was reallocated (`DeviceBuffer.generation`) and that no registered
-token changed; if one did, it re-runs `record()` under capture (counted in
-`recaptures`) and replays the new graph. It never replays stale arguments.
+no captured handle was repacked since (its `version`); if one was, it re-runs
+`record()` under capture (counted in `recaptures`) and replays the new graph.
+It never replays stale arguments.
 
 Step-state rule: values that change every step live in a device buffer that
 the kernels read through a pointer (captured once). The caller updates that
@@ -23,16 +22,15 @@ executor thread; any other thread gets a `BackendError` from the driver check.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from rocforge_rt.backends.gpu.driver import DeviceBuffer
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.errors import BackendError
 
 
 class StepGraph:
-    """One captured step on one stream, re-captured whenever what it captured changed."""
+    """One captured step on one stream, re-captured whenever a captured handle was repacked."""
 
     def __init__(self, driver: Any, stream: Any) -> None:
         self.driver = driver
@@ -42,24 +40,14 @@ class StepGraph:
         self.replays = 0
         self.last_recapture_reason: str | None = None
         self._record: Callable[[], Sequence[LaunchHandle]] | None = None
-        self._buffers: tuple[DeviceBuffer, ...] = ()
-        self._tokens: tuple[Callable[[], Hashable], ...] = ()
         self._handle_versions: list[tuple[LaunchHandle, int]] = []
-        self._buffer_generations: list[tuple[DeviceBuffer, int]] = []
-        self._token_values: list[tuple[Callable[[], Hashable], Hashable]] = []
         self._epoch = -1
         self._exec: Any = None
 
-    def capture(
-        self,
-        record: Callable[[], Sequence[LaunchHandle]],
-        *,
-        buffers: Iterable[DeviceBuffer] = (),
-        tokens: Iterable[Callable[[], Hashable]] = (),
-    ) -> None:
-        """Capture `record()`; `buffers` and `tokens` (called at each replay) guard the graph."""
+    def capture(self, record: Callable[[], Sequence[LaunchHandle]]) -> None:
+        """Capture `record()`, which returns the handle of every launch it made."""
         self.driver.check_thread()
-        self._record, self._buffers, self._tokens = record, tuple(buffers), tuple(tokens)
+        self._record = record
         self._capture()
 
     def replay(self) -> None:
@@ -76,19 +64,13 @@ class StepGraph:
         self.replays += 1
 
     def stale_reason(self) -> str | None:
-        """Why the graph no longer matches its handles, buffers or tokens; None when it does."""
+        """Why the graph no longer matches its handles' arguments; None when it does."""
         epoch = ARG_CACHE_STATS.epoch
         if epoch != self._epoch:  # some handle somewhere repacked: look at ours
             for handle, version in self._handle_versions:
                 if handle.version != version:
                     return f"launch handle {handle.name!r} repacked since capture"
             self._epoch = epoch
-        for buf, generation in self._buffer_generations:
-            if buf.generation != generation:
-                return f"buffer {buf!r} reallocated since capture (generation {generation})"
-        for token, value in self._token_values:
-            if token() != value:
-                return f"token {token!r} changed since capture"
         return None
 
     def destroy(self) -> None:
@@ -115,8 +97,6 @@ class StepGraph:
         finally:
             graph.destroy()  # the executable graph does not need it
         self._handle_versions = [(h, h.version) for h in dict.fromkeys(handles)]
-        self._buffer_generations = [(b, b.generation) for b in self._buffers]
-        self._token_values = [(t, t()) for t in self._tokens]
         self._epoch = ARG_CACHE_STATS.epoch
         self.captures += 1
 

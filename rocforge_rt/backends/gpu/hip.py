@@ -2,11 +2,14 @@
 
 `HiprtcCompiler` turns a kernel source into an AMD code object (ELF) for one
 gfx target. `HipDriver` runs code on one device through the HIP module API
-(blocking streams, thread-local stream capture); its interface and its
-executor-thread contract live in `rocforge_rt.backends.gpu.driver`, and this module
-holds only the API calls. Without an AMD GPU (CI) only `device_count() == 0`
-and the constructor's error are exercised: kernel execution on AMD stays
-unverified until an AMD GPU runs the test suite.
+(blocking streams, thread-local stream capture); its interface, its generic
+calls and its executor-thread contract live in `rocforge_rt.backends.gpu.driver`:
+this module holds the HIP name of each primitive, the flag values, device
+selection and information, and the launcher (hipModuleLaunchKernel). Without
+an AMD GPU (CI) only `device_count() == 0` and the constructor's error are
+exercised: kernel execution on AMD stays unverified until an AMD GPU runs the
+test suite. The module also holds `rocm_path`/`ensure_rocm_path` and
+`default_warp_size`.
 
 hiprtc runs in a child process (``python -m rocforge_rt.backends.gpu.hip``, one JSON
 request on stdin, one JSON reply): the HIP 5.2 compiler that Debian ships
@@ -212,7 +215,35 @@ def device_memory(device_index: int = 0) -> int:
 class HipDriver(Driver):
     """One AMD device through hip-python's HIP module API."""
 
-    _launch_api = "hipModuleLaunchKernel"
+    api_names = {
+        "synchronize": "hipDeviceSynchronize",
+        "alloc": "hipMalloc",
+        "free": "hipFree",
+        "host_alloc": "hipHostMalloc",
+        "host_free": "hipHostFree",
+        "copy_htod": "hipMemcpyHtoD",
+        "copy_htod_async": "hipMemcpyHtoDAsync",
+        "copy_dtoh": "hipMemcpyDtoH",
+        "copy_dtoh_async": "hipMemcpyDtoHAsync",
+        "memset": "hipMemsetD8Async",
+        "stream_create": "hipStreamCreateWithFlags",
+        "stream_destroy": "hipStreamDestroy",
+        "stream_synchronize": "hipStreamSynchronize",
+        "event_create": "hipEventCreateWithFlags",
+        "event_destroy": "hipEventDestroy",
+        "event_record": "hipEventRecord",
+        "event_synchronize": "hipEventSynchronize",
+        "event_elapsed": "hipEventElapsedTime",
+        "module_load": "hipModuleLoadData",
+        "module_unload": "hipModuleUnload",
+        "module_function": "hipModuleGetFunction",
+        "begin_capture": "hipStreamBeginCapture",
+        "end_capture": "hipStreamEndCapture",
+        "graph_instantiate": "hipGraphInstantiateWithFlags",
+        "graph_launch": "hipGraphLaunch",
+        "graph_destroy": "hipGraphDestroy",
+        "graph_exec_destroy": "hipGraphExecDestroy",
+    }
 
     def __init__(self, device_index: int = 0) -> None:
         hip = self._hip = _hip_api()
@@ -222,8 +253,14 @@ class HipDriver(Driver):
             raise BackendError(f"hipSetDevice: no HIP device {device_index} ({count} present)")
         self._device = device_index
         check("hipSetDevice", hip.hipSetDevice(device_index))
-        self._capture_mode = hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal
-        super().__init__(self._device_info())
+        super().__init__(
+            self._device_info(),
+            hip,
+            stream_flags=hip.hipStreamDefault,
+            event_no_timing_flags=hip.hipEventDisableTiming,
+            host_alloc_flags=hip.hipHostMallocDefault,
+            capture_mode=hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal,
+        )
 
     def _device_info(self) -> DeviceInfo:
         hip, dev = self._hip, self._device
@@ -246,82 +283,16 @@ class HipDriver(Driver):
             max_shared_per_block=get("hipDeviceAttributeMaxSharedMemoryPerBlock"),
         )
 
-    def _api_bind_thread(self) -> None:
+    def _bind_thread(self) -> None:
         check("hipSetDevice", self._hip.hipSetDevice(self._device))
 
-    def _api_close(self) -> None:
+    def _release_device(self) -> None:
         """Nothing to let go of: HIP keeps one implicit context per device."""
 
-    def _api_synchronize(self) -> None:
-        check("hipDeviceSynchronize", self._hip.hipDeviceSynchronize())
-
-    def _api_alloc(self, nbytes: int) -> int:
-        return int(check("hipMalloc", self._hip.hipMalloc(nbytes)))
-
-    def _api_free(self, ptr: int) -> None:
-        check("hipFree", self._hip.hipFree(ptr))
-
-    def _api_host_alloc(self, nbytes: int) -> int:
-        flags = self._hip.hipHostMallocDefault
-        return int(check("hipHostMalloc", self._hip.hipHostMalloc(nbytes, flags)))
-
-    def _api_host_free(self, ptr: int) -> None:
-        check("hipHostFree", self._hip.hipHostFree(ptr))
-
-    def _api_copy_htod(self, dst: int, src: int, nbytes: int) -> None:
-        check("hipMemcpyHtoD", self._hip.hipMemcpyHtoD(dst, src, nbytes))
-
-    def _api_copy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        check("hipMemcpyHtoDAsync", self._hip.hipMemcpyHtoDAsync(dst, src, nbytes, stream))
-
-    def _api_copy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
-        check("hipMemcpyDtoH", self._hip.hipMemcpyDtoH(dst, src, nbytes))
-
-    def _api_copy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        check("hipMemcpyDtoHAsync", self._hip.hipMemcpyDtoHAsync(dst, src, nbytes, stream))
-
-    def _api_memset(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
-        check("hipMemsetD8Async", self._hip.hipMemsetD8Async(dst, byte, nbytes, stream))
-
-    def _api_stream_create(self) -> Any:
-        flags = self._hip.hipStreamDefault  # blocking: ordered with the null stream
-        return check("hipStreamCreateWithFlags", self._hip.hipStreamCreateWithFlags(flags))
-
-    def _api_stream_destroy(self, stream: Any) -> None:
-        check("hipStreamDestroy", self._hip.hipStreamDestroy(stream))
-
-    def _api_stream_synchronize(self, stream: Any) -> None:
-        check("hipStreamSynchronize", self._hip.hipStreamSynchronize(stream))
-
-    def _api_event_create(self, timing: bool) -> Any:
-        flags = 0 if timing else self._hip.hipEventDisableTiming
-        return check("hipEventCreateWithFlags", self._hip.hipEventCreateWithFlags(flags))
-
-    def _api_event_destroy(self, event: Any) -> None:
-        check("hipEventDestroy", self._hip.hipEventDestroy(event))
-
-    def _api_event_record(self, event: Any, stream: Any) -> None:
-        check("hipEventRecord", self._hip.hipEventRecord(event, stream))
-
-    def _api_event_synchronize(self, event: Any) -> None:
-        check("hipEventSynchronize", self._hip.hipEventSynchronize(event))
-
-    def _api_event_elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(check("hipEventElapsedTime", self._hip.hipEventElapsedTime(start, end)))
-
-    def _api_module_load(self, code: bytes) -> Any:
-        return check("hipModuleLoadData", self._hip.hipModuleLoadData(code))
-
-    def _api_module_unload(self, module: Any) -> None:
-        check("hipModuleUnload", self._hip.hipModuleUnload(module))
-
-    def _api_module_function(self, module: Any, name: str) -> Any:
-        return check("hipModuleGetFunction", self._hip.hipModuleGetFunction(module, name.encode()))
-
-    def _api_set_max_dynamic_shared(self, function: Any, nbytes: int) -> None:
+    def _allow_dynamic_shared(self, function: Any, nbytes: int) -> None:
         """Nothing to call: an AMD kernel may use all of a block's LDS without opting in."""
 
-    def _api_launcher(
+    def _launcher(
         self,
         function: Any,
         grid: tuple[int, int, int],
@@ -330,10 +301,10 @@ class HipDriver(Driver):
         stream: Any,
         params_ptr: int,
         overlap: bool,
-    ) -> Callable[[], Any]:
+    ) -> tuple[str, Callable[[], Any]]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
         # HIP has no programmatic dependent launch (supports_overlap is False): no overlap.
-        return functools.partial(
+        call = functools.partial(
             self._hip.hipModuleLaunchKernel,
             function,
             *grid,
@@ -343,25 +314,7 @@ class HipDriver(Driver):
             params_ptr,
             None,
         )
-
-    def _api_begin_capture(self, stream: Any) -> None:
-        check("hipStreamBeginCapture", self._hip.hipStreamBeginCapture(stream, self._capture_mode))
-
-    def _api_end_capture(self, stream: Any) -> Any:
-        return check("hipStreamEndCapture", self._hip.hipStreamEndCapture(stream))
-
-    def _api_graph_instantiate(self, graph: Any) -> Any:
-        result = self._hip.hipGraphInstantiateWithFlags(graph, 0)
-        return check("hipGraphInstantiateWithFlags", result)
-
-    def _api_graph_launch(self, exe: Any, stream: Any) -> None:
-        check("hipGraphLaunch", self._hip.hipGraphLaunch(exe, stream))
-
-    def _api_graph_destroy(self, graph: Any) -> None:
-        check("hipGraphDestroy", self._hip.hipGraphDestroy(graph))
-
-    def _api_graph_exec_destroy(self, exe: Any) -> None:
-        check("hipGraphExecDestroy", self._hip.hipGraphExecDestroy(exe))
+        return "hipModuleLaunchKernel", call
 
 
 # ---------------------------------------------------------------- child process
