@@ -4,6 +4,8 @@ Each layer raises one type so callers (the CLI, the daemon) can turn it into a
 clear message or an error code without catching unrelated failures.
 """
 
+from enum import StrEnum
+
 
 class RocforgeError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -25,5 +27,23 @@ class KernelCompileError(RocforgeError):
     """A kernel failed to compile; the message carries the compiler log."""
 
 
+class EngineErrorCode(StrEnum):
+    """Why the engine refused a call (`EngineError.code`); the daemon maps each to a reply code."""
+
+    BUSY = "busy"  # every KV slot is in use
+    CONTEXT_FULL = "context_full"  # the turn does not fit in the session's context window
+    # an argument out of range: an empty turn, max_tokens < 1, a token id outside the
+    # vocabulary, a sampling parameter (temperature, top_k, top_p, logprobs, seed)
+    INVALID_ARGUMENT = "invalid_argument"
+    TURN_RUNNING = "turn_running"  # a new turn for a session whose turn is still generating
+    NOT_DECODABLE = "not_decodable"  # decode of a session whose turn ended or is not prefilled
+    BAD_CONFIG = "bad_config"  # an engine the model cannot hold (ctx size over its training)
+
+
 class EngineError(RocforgeError):
-    """A request cannot be served by the engine (context full, bad parameters...)."""
+    """A request cannot be served by the engine; `code` says why, `message` in words."""
+
+    def __init__(self, code: EngineErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

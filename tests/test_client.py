@@ -19,7 +19,8 @@ from clients.rocforge_client import (
 )
 from rocforge_rt.cli import main
 from rocforge_rt.server.cli_commands import free_loopback_port, parse_size
-from rocforge_rt.server.daemon import Daemon, DaemonConfig
+from rocforge_rt.server.config import DaemonConfig
+from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.protocol import ErrorCode
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -36,7 +36,8 @@ from clients.rocforge_client import (
 )
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.profiling.latency import distribution
-from rocforge_rt.server.daemon import Daemon, DaemonConfig, ServerError, State
+from rocforge_rt.server.config import DaemonConfig, ServerError
+from rocforge_rt.server.daemon import Daemon, State
 from rocforge_rt.server.security import SecurityError, generate_keys
 from rocforge_rt.step.forward import LAYER_OPS
 

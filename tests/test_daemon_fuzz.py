@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from clients.rocforge_client import connect
-from rocforge_rt.server.daemon import Daemon, DaemonConfig
+from rocforge_rt.server.config import DaemonConfig
+from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.protocol import OPS
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]

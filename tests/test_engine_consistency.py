@@ -5,7 +5,7 @@ import pytest
 
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.stopping import FinishReason
-from rocforge_rt.errors import EngineError
+from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import forward
 from rocforge_rt.step.sampling import SamplingParams
@@ -56,15 +56,17 @@ def test_batched_decode_equals_decoding_each_session_alone(engine):
 
 def test_a_full_pool_answers_busy_and_a_closed_session_frees_its_slot(engine):
     sessions = [engine.open_session(PROMPT) for _ in range(3)]
-    with pytest.raises(EngineError, match="busy"):
+    with pytest.raises(EngineError, match="busy") as info:
         engine.open_session(PROMPT)
+    assert info.value.code is EngineErrorCode.BUSY
     engine.close_session(sessions[0])
     engine.open_session(PROMPT)
 
 
 def test_a_prompt_that_fills_the_context_is_rejected_as_context_full(engine):
-    with pytest.raises(EngineError, match="context_full"):
+    with pytest.raises(EngineError, match="context_full") as info:
         engine.open_session(list(range(64)))
+    assert info.value.code is EngineErrorCode.CONTEXT_FULL
 
 
 def test_generation_stops_with_length_at_the_end_of_the_context(engine):
@@ -77,8 +79,9 @@ def test_generation_stops_with_length_at_the_end_of_the_context(engine):
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected(engine):
-    with pytest.raises(EngineError, match="outside the vocabulary"):
+    with pytest.raises(EngineError, match="outside the vocabulary") as info:
         engine.open_session([1, 2, engine.hparams.n_vocab])
+    assert info.value.code is EngineErrorCode.INVALID_ARGUMENT
 
 
 def test_sampling_an_end_of_generation_id_ends_the_turn_with_stop_token(engine):

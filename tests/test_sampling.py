@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rocforge_rt.errors import EngineError
+from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.step.sampling import (
     GREEDY,
     RowSampling,
@@ -138,5 +138,6 @@ def test_sample_row_is_what_a_sampler_draws():
     ],
 )
 def test_invalid_parameters_are_rejected_with_their_name(kwargs):
-    with pytest.raises(EngineError, match=next(iter(kwargs))):
+    with pytest.raises(EngineError, match=next(iter(kwargs))) as info:
         SamplingParams(**kwargs)
+    assert info.value.code is EngineErrorCode.INVALID_ARGUMENT

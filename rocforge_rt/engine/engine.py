@@ -14,7 +14,7 @@ import numpy as np
 from rocforge_rt.backends import Backend, create_backend
 from rocforge_rt.engine.kv_cache import SlotAllocator
 from rocforge_rt.engine.session import Session, TokenEvent
-from rocforge_rt.errors import EngineError
+from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.step.batch import StepBatch
@@ -38,7 +38,8 @@ class Engine:
     ) -> None:
         if n_ctx > model.hparams.n_ctx_train:
             raise EngineError(
-                f"ctx size {n_ctx} exceeds the model's trained context {model.hparams.n_ctx_train}"
+                EngineErrorCode.BAD_CONFIG,
+                f"ctx size {n_ctx} exceeds the model's trained context {model.hparams.n_ctx_train}",
             )
         self.model = model
         self.hparams = model.hparams
@@ -84,7 +85,11 @@ class Engine:
         stop: Sequence[str] = (),
         max_tokens: int = 256,
     ) -> Session:
-        """Take a KV slot and queue the prompt; EngineError when busy or the prompt is too long."""
+        """Take a KV slot and queue the prompt.
+
+        EngineError: BUSY when every slot is in use; CONTEXT_FULL or INVALID_ARGUMENT for a
+        prompt it cannot take.
+        """
         self._check_turn(prompt, 0, max_tokens)
         session = Session(
             next(self._session_ids),
@@ -107,7 +112,9 @@ class Engine:
     ) -> None:
         """Queue another turn into a session whose previous turn has finished."""
         if not session.finished:
-            raise EngineError(f"session {session.session_id} is still generating")
+            raise EngineError(
+                EngineErrorCode.TURN_RUNNING, f"session {session.session_id} is still generating"
+            )
         self._check_turn(tokens, session.n_context, max_tokens)
         session.start_turn(list(tokens), Sampler(sampling), tuple(stop), max_tokens)
 
@@ -116,18 +123,22 @@ class Engine:
 
     def _check_turn(self, tokens: Sequence[int], n_context: int, max_tokens: int) -> None:
         if not tokens:
-            raise EngineError("a turn needs at least one token")
+            raise EngineError(EngineErrorCode.INVALID_ARGUMENT, "a turn needs at least one token")
         if max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {max_tokens}")
+            raise EngineError(
+                EngineErrorCode.INVALID_ARGUMENT, f"max_tokens must be >= 1, got {max_tokens}"
+            )
         bad = [t for t in tokens if not 0 <= t < self.hparams.n_vocab]
         if bad:
             raise EngineError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.hparams.n_vocab})"
+                EngineErrorCode.INVALID_ARGUMENT,
+                f"token id {bad[0]} is outside the vocabulary [0, {self.hparams.n_vocab})",
             )
         if n_context + len(tokens) >= self.n_ctx:
             raise EngineError(
-                f"context_full: {n_context} tokens in context + {len(tokens)} new"
-                f" leave no room in ctx size {self.n_ctx}"
+                EngineErrorCode.CONTEXT_FULL,
+                f"{n_context} tokens in context + {len(tokens)} new"
+                f" leave no room in ctx size {self.n_ctx}",
             )
 
     # --- steps ---------------------------------------------------------------------------
@@ -169,7 +180,9 @@ class Engine:
         """One batched decode step: each session feeds its one pending token."""
         for s in sessions:
             if s.finished or len(s.pending) != 1:
-                raise EngineError(f"session {s.session_id} is not ready to decode")
+                raise EngineError(
+                    EngineErrorCode.NOT_DECODABLE, f"session {s.session_id} is not ready to decode"
+                )
         positions = [s.n_past for s in sessions]
         tokens = [s.take_pending(1)[0] for s in sessions]
         slots = [s.slot for s in sessions]

@@ -1,6 +1,6 @@
 """KV pool bookkeeping: one preallocated fp16 pool of slots, each a whole context window."""
 
-from rocforge_rt.errors import EngineError
+from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.model.hparams import HParams
 
 KV_BYTES_PER_ELEMENT = 2  # fp16, as llama.cpp
@@ -27,9 +27,9 @@ class SlotAllocator:
         self._free = list(range(n_slots - 1, -1, -1))
 
     def acquire(self) -> int:
-        """A free slot; EngineError('busy') when every slot is in use."""
+        """A free slot; EngineError(BUSY) when every slot is in use."""
         if not self._free:
-            raise EngineError(f"busy: all {self.n_slots} KV slots are in use")
+            raise EngineError(EngineErrorCode.BUSY, f"all {self.n_slots} KV slots are in use")
         return self._free.pop()
 
     def release(self, slot: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
 from rocforge_rt.profiling.latency import distribution
-from rocforge_rt.server.daemon import DEFAULT_BIND, ServerError
+from rocforge_rt.server.config import DEFAULT_BIND, DaemonConfig, ServerError
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
 DEMO_PROMPT = "Write one sentence about the sea."
@@ -47,7 +47,7 @@ def _default_model(path: str | None) -> Path:
 
 # --- serve ------------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from rocforge_rt.server.daemon import Daemon, DaemonConfig
+    from rocforge_rt.server.daemon import Daemon
 
     logging.basicConfig(
         level=args.log_level.upper(), format="rocforge serve: %(message)s", stream=sys.stderr

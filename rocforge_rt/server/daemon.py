@@ -3,12 +3,13 @@
 The I/O thread is the only one that touches the ROUTER socket. It reads each
 request (bounded frames, ZMQ_MAXMSGSIZE, unpacker limits), validates it,
 answers `health`, `info`, `abort`, `stats` and `trace` itself, hands engine
-work to the scheduler (scheduler.py), and forwards the scheduler's replies. It
-never waits on the engine, so it answers during a long prefill.
+work to the engine thread (engine_loop.py), and forwards that thread's replies.
+It never waits on the engine, so it answers during a long prefill. The two
+threads share the job board (jobs.py).
 
-Start-up: the bind address and memory budget are checked before anything
-binds; the socket then goes live (`health` says live, not ready) while the
-engine thread loads the model and runs a warm-up step; then ready.
+Start-up: the bind address and memory budget (config.py) are checked before
+anything binds; the socket then goes live (`health` says live, not ready)
+while the engine thread loads the model and runs a warm-up step; then ready.
 Shutdown (SIGTERM/SIGINT or `stop()`): new work is refused, every request in
 flight is cut and gets its final reply, sockets close, `run` returns.
 """
@@ -18,36 +19,25 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-from rocforge_rt.backends import device_memory_bytes, resolve_backend_name
-from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
-from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import RocforgeError
-from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.recommendations import recommend
 from rocforge_rt.profiling.trace import chrome_trace
 from rocforge_rt.server import protocol
+from rocforge_rt.server.config import DaemonConfig, ServerError, plan
+from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
+from rocforge_rt.server.jobs import CancelCause, Job, JobBoard
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
-from rocforge_rt.server.scheduler import (
-    END_OF_REPLIES,
-    CancelCause,
-    Job,
-    JobBoard,
-    Limits,
-    Scheduler,
-)
 from rocforge_rt.server.security import check_bind, secure_server
 
 log = logging.getLogger("rocforge.server")
 
-DEFAULT_BIND = "tcp://127.0.0.1:5555"
 POLL_MS = 100  # how often the I/O loop looks at the stop flag when idle
 MAX_READS_PER_POLL = 64  # requests read before replies are forwarded again
 MAX_FRAMES = 3  # identity, optional empty delimiter (REQ clients), payload
@@ -57,112 +47,10 @@ HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 10_000
 
 
-class ServerError(RocforgeError):
-    """The daemon cannot start as configured (memory budget, bind address, engine start-up),
-    or its engine thread failed."""
-
-
 class State(StrEnum):
     LOADING = "loading"  # live: the socket answers, the engine is loading or warming up
     READY = "ready"
     DRAINING = "draining"  # stopping: in-flight requests get their final replies
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    model: Path
-    backend: str = "auto"
-    bind: str = DEFAULT_BIND
-    ctx_size: int = 2048
-    max_sessions: int = 4
-    memory_limit: int | None = None  # bytes for weights + KV pool; None: the device (or host RAM)
-    idle_timeout_s: float = 300.0
-    max_prompt_tokens: int | None = None  # None: the context size - 1
-    max_new_tokens: int | None = None  # None: the context size
-    max_request_bytes: int = 1 << 20
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    curve_keys: Path | None = None
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def check_memory(
-    *, kv_bytes: int, weights_bytes: int, max_sessions: int, n_ctx: int, limit: int
-) -> None:
-    """Fail fast when the weights and the KV pool do not fit the memory limit."""
-    need = kv_bytes + weights_bytes
-    if need > limit:
-        raise ServerError(
-            f"the KV pool for --max-sessions {max_sessions} x --ctx-size {n_ctx} needs"
-            f" {_mib(kv_bytes)} ({kv_bytes} bytes) and the weights {_mib(weights_bytes)}:"
-            f" {_mib(need)} in all, over the memory limit of {_mib(limit)} ({limit} bytes);"
-            " lower --ctx-size or --max-sessions, or raise --gpu-memory-limit"
-        )
-
-
-def plan(
-    config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None
-) -> tuple[Callable[[], Engine], Limits]:
-    """Validate the configuration against the model; return the engine factory and limits."""
-    checks = (
-        (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
-        (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
-        (config.idle_timeout_s > 0, f"--idle-timeout must be > 0, got {config.idle_timeout_s}"),
-        (config.prefill_chunk >= 1, f"prefill chunk must be >= 1, got {config.prefill_chunk}"),
-        (config.max_request_bytes >= 1024, "max request bytes must be >= 1024"),
-    )
-    for ok, message in checks:
-        if not ok:
-            raise ServerError(message)
-    model = load_model_file(config.model)
-    hp = model.hparams
-    n_ctx = min(config.ctx_size, hp.n_ctx_train)
-    if n_ctx < config.ctx_size:
-        log.warning(
-            "--ctx-size %d lowered to the model's trained context %d", config.ctx_size, n_ctx
-        )
-    kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
-    limit = config.memory_limit
-    if limit is None:
-        limit = device_memory_bytes(resolve_backend_name(config.backend))
-    weights = sum(t.nbytes for t in model.tensors.values())
-    check_memory(
-        kv_bytes=kv,
-        weights_bytes=weights,
-        max_sessions=config.max_sessions,
-        n_ctx=n_ctx,
-        limit=limit,
-    )
-    log.info(
-        "KV pool: %d sessions x %d tokens x %d bytes = %s",
-        config.max_sessions,
-        n_ctx,
-        kv_bytes_per_token(hp),
-        _mib(kv),
-    )
-    limits = Limits(
-        n_ctx=n_ctx,
-        max_sessions=config.max_sessions,
-        max_prompt_tokens=min(config.max_prompt_tokens or n_ctx - 1, n_ctx - 1),
-        max_new_tokens=min(config.max_new_tokens or n_ctx, n_ctx),
-        idle_timeout_s=config.idle_timeout_s,
-    )
-
-    def build() -> Engine:
-        engine = Engine.load(
-            config.model,
-            backend=config.backend,
-            n_slots=config.max_sessions,
-            n_ctx=n_ctx,
-            prefill_chunk=config.prefill_chunk,
-        )
-        if engine_hook is not None:
-            engine_hook(engine)
-        return engine
-
-    return build, limits
 
 
 class Daemon:
@@ -197,7 +85,7 @@ class Daemon:
         reply_endpoint = f"inproc://rocforge-replies-{id(self)}"
         self._replies.rcvhwm = 0
         self._replies.bind(reply_endpoint)
-        self.scheduler = Scheduler(
+        self.engine_loop = EngineLoop(
             engine_factory, self.limits, self.board, self.latency, self._context, reply_endpoint
         )
         log.info("listening on %s", self.endpoint)
@@ -250,28 +138,28 @@ class Daemon:
     def state(self) -> State:
         if self._draining:
             return State.DRAINING
-        return State.READY if self.scheduler.ready.is_set() else State.LOADING
+        return State.READY if self.engine_loop.ready.is_set() else State.LOADING
 
     def wait_ready(self, timeout: float) -> bool:
-        return self.scheduler.ready.wait(timeout)
+        return self.engine_loop.ready.wait(timeout)
 
     def run(self) -> None:
         """Serve until stopped; ServerError if the engine could not start or failed."""
-        engine_thread = threading.Thread(target=self.scheduler.run, name="rocforge-engine")
+        engine_thread = threading.Thread(target=self.engine_loop.run, name="rocforge-engine")
         engine_thread.start()
         restore = self._install_signal_handlers()
         try:
             self._serve()
         except BaseException:
-            self.scheduler.stop()  # the engine thread must end for the join below
+            self.engine_loop.stop()  # the engine thread must end for the join below
             raise
         finally:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
             engine_thread.join()
             self._close_sockets()
-        if self.scheduler.failure is not None:
-            raise ServerError(self.scheduler.failure)
+        if self.engine_loop.failure is not None:
+            raise ServerError(self.engine_loop.failure)
         log.info("stopped")
 
     def _install_signal_handlers(self) -> dict[int, Any]:
@@ -303,11 +191,11 @@ class Daemon:
             if self._router in events:
                 self._read_requests()
             if not self._draining and (
-                self._stop_requested.is_set() or self.scheduler.failure is not None
+                self._stop_requested.is_set() or self.engine_loop.failure is not None
             ):
                 self._draining = True
                 self.board.cancel_all(CancelCause.SHUTDOWN)
-                self.scheduler.stop()
+                self.engine_loop.stop()
 
     def _forward_replies(self) -> bool:
         """Send the engine thread's replies; True once it has sent its last."""
@@ -394,9 +282,8 @@ class Daemon:
         if handler is not None:
             self._reply(job.envelope, ok_reply(request.id, **handler(request)))
             return
-        job.reserves_slot = request.turn is not None and request.op != "append"
         self.board.admit(job)
-        self.scheduler.submit(job)
+        self.engine_loop.submit(job)
 
     def _health(self, state: State) -> dict[str, Any]:
         return {
@@ -411,7 +298,7 @@ class Daemon:
         limits = self.limits
         return {
             "protocol_version": protocol.PROTOCOL_VERSION,
-            **self.scheduler.info,
+            **self.engine_loop.info,
             "limits": {
                 "ctx_size": limits.n_ctx,
                 "max_sessions": limits.max_sessions,
@@ -434,14 +321,14 @@ class Daemon:
         return {"aborted": aborted}
 
     def _stats(self, request: Request) -> dict[str, Any]:
-        timer = self.scheduler.op_timer
+        timer = self.engine_loop.op_timer
         overhead = timer.snapshot()
-        runtime = self.scheduler.runtime_stats
+        runtime = self.engine_loop.runtime_stats
         stats: dict[str, Any] = {
             "latency": self.latency.summary(),
             "overhead": overhead,
             "recommendations": recommend(overhead, runtime),
-            **self.scheduler.usage,
+            **self.engine_loop.usage,
             "uptime_s": time.monotonic() - self._started,
         }
         if runtime is not None:
@@ -451,12 +338,12 @@ class Daemon:
         if request.reset:
             self.latency.reset()
             timer.reset()
-            self.scheduler.reset_stats()
+            self.engine_loop.reset_stats()
         return stats
 
     def _trace(self, request: Request) -> dict[str, Any]:
-        steps = self.scheduler.op_timer.recent_steps(request.steps)
-        backend = self.scheduler.engine.backend
+        steps = self.engine_loop.op_timer.recent_steps(request.steps)
+        backend = self.engine_loop.engine.backend
         tracker = getattr(backend, "launch_tracker", None)
         timer = getattr(backend, "kernel_timer", None)
         launches = tracker.recent(request.steps) if tracker is not None else []
@@ -471,7 +358,7 @@ class Daemon:
         The engine thread reads these switches at each step (a step in flight keeps its
         setting), so they are set here without handing work to it.
         """
-        backend = self.scheduler.engine.backend
+        backend = self.engine_loop.engine.backend
         tracker = getattr(backend, "launch_tracker", None)
         timer = getattr(backend, "kernel_timer", None)
         if tracker is None or timer is None:

@@ -4,7 +4,7 @@ A request is a map with `op`, an optional `id` (echoed in every reply to it)
 and the op's fields. A reply is a map with `id`, `ok`, and either the result or
 `error: {code, message}`. This module validates requests completely (types,
 ranges, required and unknown fields) before anything else sees them; limits
-that depend on the daemon's configuration are checked by the scheduler.
+that depend on the daemon's configuration are checked by translate.py.
 """
 
 import math
@@ -112,7 +112,7 @@ class Request:
 Check = Callable[[str, Any], Any]
 
 
-def _fail(name: str, expected: str, value: Any) -> ProtocolError:
+def _field_error(name: str, expected: str, value: Any) -> ProtocolError:
     found = "nil" if value is None else f"{type(value).__name__} {value!r:.60}"
     return ProtocolError(
         ErrorCode.BAD_REQUEST, f"field {name!r}: expected {expected}, found {found}"
@@ -122,7 +122,7 @@ def _fail(name: str, expected: str, value: Any) -> ProtocolError:
 def _int(lo: int, hi: int) -> Check:
     def check(name: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise _fail(name, f"an integer in [{lo}, {hi}]", value)
+            raise _field_error(name, f"an integer in [{lo}, {hi}]", value)
         return value
 
     return check
@@ -136,7 +136,7 @@ def _float(lo: float, hi: float, *, open_lo: bool = False) -> Check:
             ok = math.isfinite(value) and (lo < value if open_lo else lo <= value) and value <= hi
         if not ok:
             bound = "(" if open_lo else "["
-            raise _fail(name, f"a number in {bound}{lo}, {hi}]", value)
+            raise _field_error(name, f"a number in {bound}{lo}, {hi}]", value)
         return value
 
     return check
@@ -144,14 +144,14 @@ def _float(lo: float, hi: float, *, open_lo: bool = False) -> Check:
 
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _fail(name, "true or false", value)
+        raise _field_error(name, "true or false", value)
     return value
 
 
 def _str(max_chars: int) -> Check:
     def check(name: str, value: Any) -> str:
         if not isinstance(value, str) or len(value) > max_chars:
-            raise _fail(name, f"a string of at most {max_chars} characters", value)
+            raise _field_error(name, f"a string of at most {max_chars} characters", value)
         return value
 
     return check
@@ -162,7 +162,7 @@ def _request_id(name: str, value: Any) -> int | str:
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise _fail(name, f"an integer or a string of at most {MAX_ID_CHARS} characters", value)
+    raise _field_error(name, f"an integer or a string of at most {MAX_ID_CHARS} characters", value)
 
 
 def _is_token_id(t: Any) -> bool:
@@ -171,25 +171,25 @@ def _is_token_id(t: Any) -> bool:
 
 def _tokens(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
-        raise _fail(name, "a non-empty array of token ids", value)
+        raise _field_error(name, "a non-empty array of token ids", value)
     for i, t in enumerate(value):
         if not _is_token_id(t):
-            raise _fail(f"{name}[{i}]", "a token id (an integer in [0, 2**31))", t)
+            raise _field_error(f"{name}[{i}]", "a token id (an integer in [0, 2**31))", t)
     return tuple(value)
 
 
 def _messages(name: str, value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
-        raise _fail(name, f"an array of 1 to {MAX_MESSAGES} messages", value)
+        raise _field_error(name, f"an array of 1 to {MAX_MESSAGES} messages", value)
     out = []
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(message, dict) or set(message) != {"role", "content"}:
-            raise _fail(where, "a map with exactly 'role' and 'content'", message)
+            raise _field_error(where, "a map with exactly 'role' and 'content'", message)
         role = _str(MAX_ROLE_CHARS)(f"{where}.role", message["role"])
         content = message["content"]
         if not isinstance(content, str):
-            raise _fail(f"{where}.content", "a string", content)
+            raise _field_error(f"{where}.content", "a string", content)
         out.append((role, content))
     return tuple(out)
 
@@ -198,7 +198,9 @@ def _stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS:
-        raise _fail(name, f"a string or an array of at most {MAX_STOP_STRINGS} strings", value)
+        raise _field_error(
+            name, f"a string or an array of at most {MAX_STOP_STRINGS} strings", value
+        )
     check = _str(MAX_STOP_CHARS)
     return tuple(check(f"{name}[{i}]", s) for i, s in enumerate(value))
 
@@ -280,7 +282,7 @@ def parse_request(obj: Any) -> Request:
         )
     op = obj.get("op")
     if not isinstance(op, str):
-        raise _fail("op", "a string naming the operation", op)
+        raise _field_error("op", "a string naming the operation", op)
     if op not in OPS:
         raise ProtocolError(
             ErrorCode.UNKNOWN_OP, f"unknown op {op[:40]!r}; ops are: {', '.join(OPS)}"

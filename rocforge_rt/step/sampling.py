@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rocforge_rt.errors import EngineError
+from rocforge_rt.errors import EngineError, EngineErrorCode
 
 WEIGHT_SCALE = np.float32(2.0**40)  # weights are exp(...) in (0, 1] times this, truncated
 MAX_LOGPROBS = 20
@@ -60,7 +60,7 @@ class SamplingParams:
         )
         for ok, message in checks:
             if not ok:
-                raise EngineError(message)
+                raise EngineError(EngineErrorCode.INVALID_ARGUMENT, message)
 
     @property
     def greedy(self) -> bool:

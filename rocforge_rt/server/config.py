@@ -1,0 +1,124 @@
+"""The daemon's configuration, checked against the model before anything binds.
+
+`plan` validates a DaemonConfig (ranges, the model's trained context, the
+memory budget of the weights and the KV pool) and returns the engine factory
+the engine thread calls and the per-daemon limits.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rocforge_rt.backends import device_memory_bytes, resolve_backend_name
+from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.errors import RocforgeError
+from rocforge_rt.model.gguf_file import load_model_file
+from rocforge_rt.server.jobs import Limits
+
+log = logging.getLogger("rocforge.server")
+
+DEFAULT_BIND = "tcp://127.0.0.1:5555"
+
+
+class ServerError(RocforgeError):
+    """The daemon cannot start as configured (memory budget, bind address, engine start-up),
+    or its engine thread failed."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    model: Path
+    backend: str = "auto"
+    bind: str = DEFAULT_BIND
+    ctx_size: int = 2048
+    max_sessions: int = 4
+    memory_limit: int | None = None  # bytes for weights + KV pool; None: the device (or host RAM)
+    idle_timeout_s: float = 300.0
+    max_prompt_tokens: int | None = None  # None: the context size - 1
+    max_new_tokens: int | None = None  # None: the context size
+    max_request_bytes: int = 1 << 20
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    curve_keys: Path | None = None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_memory(
+    *, kv_bytes: int, weights_bytes: int, max_sessions: int, n_ctx: int, limit: int
+) -> None:
+    """Fail fast when the weights and the KV pool do not fit the memory limit."""
+    need = kv_bytes + weights_bytes
+    if need > limit:
+        raise ServerError(
+            f"the KV pool for --max-sessions {max_sessions} x --ctx-size {n_ctx} needs"
+            f" {_mib(kv_bytes)} ({kv_bytes} bytes) and the weights {_mib(weights_bytes)}:"
+            f" {_mib(need)} in all, over the memory limit of {_mib(limit)} ({limit} bytes);"
+            " lower --ctx-size or --max-sessions, or raise --gpu-memory-limit"
+        )
+
+
+def plan(
+    config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None
+) -> tuple[Callable[[], Engine], Limits]:
+    """Validate the configuration against the model; return the engine factory and limits."""
+    checks = (
+        (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
+        (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
+        (config.idle_timeout_s > 0, f"--idle-timeout must be > 0, got {config.idle_timeout_s}"),
+        (config.prefill_chunk >= 1, f"prefill chunk must be >= 1, got {config.prefill_chunk}"),
+        (config.max_request_bytes >= 1024, "max request bytes must be >= 1024"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ServerError(message)
+    model = load_model_file(config.model)
+    hp = model.hparams
+    n_ctx = min(config.ctx_size, hp.n_ctx_train)
+    if n_ctx < config.ctx_size:
+        log.warning(
+            "--ctx-size %d lowered to the model's trained context %d", config.ctx_size, n_ctx
+        )
+    kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
+    limit = config.memory_limit
+    if limit is None:
+        limit = device_memory_bytes(resolve_backend_name(config.backend))
+    weights = sum(t.nbytes for t in model.tensors.values())
+    check_memory(
+        kv_bytes=kv,
+        weights_bytes=weights,
+        max_sessions=config.max_sessions,
+        n_ctx=n_ctx,
+        limit=limit,
+    )
+    log.info(
+        "KV pool: %d sessions x %d tokens x %d bytes = %s",
+        config.max_sessions,
+        n_ctx,
+        kv_bytes_per_token(hp),
+        _mib(kv),
+    )
+    limits = Limits(
+        n_ctx=n_ctx,
+        max_sessions=config.max_sessions,
+        max_prompt_tokens=min(config.max_prompt_tokens or n_ctx - 1, n_ctx - 1),
+        max_new_tokens=min(config.max_new_tokens or n_ctx, n_ctx),
+        idle_timeout_s=config.idle_timeout_s,
+    )
+
+    def build() -> Engine:
+        engine = Engine.load(
+            config.model,
+            backend=config.backend,
+            n_slots=config.max_sessions,
+            n_ctx=n_ctx,
+            prefill_chunk=config.prefill_chunk,
+        )
+        if engine_hook is not None:
+            engine_hook(engine)
+        return engine
+
+    return build, limits

@@ -1,0 +1,286 @@
+"""The engine thread: its inbox, the engine's start-up and warm-up, and the step loop.
+
+Threads (DESIGN.md: one thread drives an Engine). The daemon's I/O thread owns
+the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
+`stats` and `trace` itself, and `submit`s engine work here as Jobs. This thread
+alone calls the engine; it sends replies through its own inproc PUSH socket,
+which the I/O thread forwards to clients, so neither waits on the other.
+
+Each iteration takes new jobs (lifecycle.py starts them), ends those the
+policy finds cancelled or past their deadline, then runs the step the policy
+picks (policy.py): at most one prefill chunk, then one batched decode. The
+replies each stage made go out after it.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.profiling.latency import LatencyRecorder
+from rocforge_rt.profiling.op_timer import OpTimer
+from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits
+from rocforge_rt.server.lifecycle import Lifecycle
+from rocforge_rt.server.policy import StepPolicy
+from rocforge_rt.server.protocol import ErrorCode
+from rocforge_rt.server.replies import Outbox, usage_map
+
+log = logging.getLogger("rocforge.server")
+
+END_OF_REPLIES = b""  # the last message the engine thread sends: it has stopped
+RUNTIME_STATS_INTERVAL_S = 0.1  # how often the backend's runtime counters are read
+
+
+def _always() -> bool:
+    return True
+
+
+class EngineLoop:
+    """Runs every engine call on one thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        limits: Limits,
+        board: JobBoard,
+        latency: LatencyRecorder,
+        context: zmq.Context,
+        reply_endpoint: str,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self.limits = limits
+        self._board = board
+        self._latency = latency
+        self._context = context
+        self._reply_endpoint = reply_endpoint
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._policy = StepPolicy()
+        self._outbox = Outbox()
+        self._lifecycle: Lifecycle | None = None  # once the engine has started
+        self._stopping = False
+        self._out: zmq.Socket | None = None  # created on the engine thread, used only there
+        self._runtime_stats: Callable[[], dict[str, Any]] | None = None
+        self._next_runtime_stats = 0.0
+        self._reset_requested = threading.Event()
+        self.engine: Engine | None = None
+        self.op_timer: OpTimer | None = None
+        # published for the I/O thread (each replaced whole, never mutated)
+        self.ready = threading.Event()
+        self.failure: str | None = None
+        self.info: dict[str, Any] = {}
+        self.usage: dict[str, Any] = {}
+        self.runtime_stats: dict[str, Any] | None = None
+
+    # --- called from the I/O thread -------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def reset_stats(self) -> None:
+        """Ask for the backend's runtime counters to be cleared (done on the engine thread)."""
+        self._reset_requested.set()
+
+    def stop(self) -> None:
+        """Finish: every job left gets its final reply (the I/O thread cancelled them)."""
+        self._inbox.put(None)
+
+    # --- the engine thread ------------------------------------------------------------------
+    def run(self) -> None:
+        self._out = self._context.socket(zmq.PUSH)
+        self._out.sndhwm = 0  # never block the engine on the I/O thread
+        self._out.connect(self._reply_endpoint)
+        try:
+            try:
+                self._start_engine()
+            except Exception as exc:  # a model or device that cannot start: report, stop
+                log.exception("engine start-up failed")
+                self.failure = f"engine start-up failed: {exc}"
+                return
+            self.ready.set()
+            try:
+                self._loop()
+            except Exception as exc:  # a bug: answer what is running, then stop the daemon
+                log.exception("the engine thread failed")
+                self.failure = f"the engine thread failed: {exc}"
+                self._fail_everything(self.failure)
+        finally:
+            self._flush()
+            self._out.send(END_OF_REPLIES)
+            self._out.close(linger=1000)
+
+    def _start_engine(self) -> None:
+        engine = self._engine_factory()
+        self.op_timer = OpTimer(engine.ops)
+        engine.ops = self.op_timer
+        self.engine = engine
+        self._runtime_stats = getattr(engine.backend, "runtime_stats", None)
+        started = time.perf_counter()
+        self._warm_up()
+        self.op_timer.reset()
+        self.info = {**self._describe(), "warmup_ms": (time.perf_counter() - started) * 1000.0}
+        self._lifecycle = Lifecycle(
+            engine, self.limits, self._board, self._policy, self._latency, self._outbox
+        )
+        self._publish_usage()
+        log.info("ready (warm-up took %.0f ms)", self.info["warmup_ms"])
+
+    def _describe(self) -> dict[str, Any]:
+        """The model, backend, device and KV pool, for `info`."""
+        engine = self.engine
+        hp = engine.hparams
+        return {
+            "model": {
+                "path": str(engine.model.path),
+                "name": engine.model.metadata.get("general.name"),
+                "arch": hp.arch,
+                "n_layer": hp.n_layer,
+                "n_embd": hp.n_embd,
+                "n_vocab": hp.n_vocab,
+                "n_ctx_train": hp.n_ctx_train,
+                "tokenizer": engine.tokenizer is not None,
+                "chat_template": engine.tokenizer is not None
+                and engine.tokenizer.chat_template is not None,
+            },
+            "backend": engine.backend.name,
+            "device": engine.backend.device_info(),
+            "kv": {
+                "bytes_per_token": kv_bytes_per_token(hp),
+                "pool_bytes": kv_pool_bytes(hp, engine.slots.n_slots, engine.n_ctx),
+            },
+        }
+
+    def _warm_up(self) -> None:
+        """A prefill per slot, then a decode step of each batch size (a GPU backend captures
+        its step graph per batch size), before `ready`."""
+        engine = self.engine
+        token = engine.tokenizer.bos_id if engine.tokenizer and engine.tokenizer.bos_id else 0
+        n_slots = engine.slots.n_slots
+        sessions = [engine.open_session([token], max_tokens=n_slots + 1) for _ in range(n_slots)]
+        try:
+            for session in sessions:
+                engine.prefill(session)
+            for size in range(n_slots, 0, -1):
+                running = [s for s in sessions if not s.finished][:size]
+                if len(running) == size:  # a session may have ended early (EOS, context)
+                    engine.decode(running)
+        finally:
+            for session in sessions:
+                engine.close_session(session)
+        self._reset_runtime_stats()
+
+    def _loop(self) -> None:
+        policy, lifecycle = self._policy, self._lifecycle
+        while True:
+            self._take_jobs(block=not policy.busy)
+            if self._reset_requested.is_set():
+                self._reset_requested.clear()
+                self._reset_runtime_stats()
+            now = time.perf_counter()
+            for job, cause in policy.due_to_cancel(now):
+                lifecycle.end(job, Cancelled(cause))
+            self._flush()
+            if self._stopping and not policy.busy:
+                for live in list(lifecycle.sessions.values()):
+                    lifecycle.close_session(live)
+                self._publish_usage()
+                return
+            lifecycle.reap_idle(now)
+            job = policy.next_prefill()
+            if job is not None:
+                self._prefill_chunk(job)
+                self._flush()
+            jobs = policy.decode_batch()
+            if jobs:
+                self._decode_step(jobs)
+                self._flush()
+            self._publish_usage()
+
+    def _take_jobs(self, *, block: bool) -> None:
+        timeout = min(1.0, self.limits.idle_timeout_s / 4)
+        try:
+            job = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            while True:
+                if job is None:
+                    self._stopping = True
+                else:
+                    self._lifecycle.start(job)
+                    self._flush()
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    # --- the step -----------------------------------------------------------------------------
+    def _prefill_chunk(self, job: Job) -> None:
+        session = self._lifecycle.session_of(job)
+        if job.prefill_started is None:
+            job.prefill_started = time.perf_counter()
+        n = min(len(session.pending), self.engine.prefill_chunk)
+        with self.op_timer.step("prefill", n_tokens=n, n_seqs=1):  # replies are host time too
+            try:
+                event = self.engine.prefill(session, should_stop=_always)
+            except Exception as exc:
+                self._engine_failed([job], exc)
+                return
+            if event is not None:
+                self._lifecycle.deliver(job, event, self._policy.after_prefill(job, event))
+
+    def _decode_step(self, jobs: tuple[Job, ...]) -> None:
+        sessions = [self._lifecycle.session_of(j) for j in jobs]
+        with self.op_timer.step("decode", n_tokens=len(jobs), n_seqs=len(jobs)):
+            try:
+                events = self.engine.decode(sessions)
+            except Exception as exc:
+                self._engine_failed(jobs, exc)
+                return
+            for job, event in zip(jobs, events, strict=True):
+                self._lifecycle.deliver(job, event, self._policy.after_decode(job, event))
+        now = time.perf_counter()
+        if self._runtime_stats is not None and now >= self._next_runtime_stats:
+            self._next_runtime_stats = now + RUNTIME_STATS_INTERVAL_S
+            self.runtime_stats = self._runtime_stats()
+
+    def _engine_failed(self, jobs: Sequence[Job], exc: Exception) -> None:
+        log.error("engine step failed for requests %s", [j.request.id for j in jobs], exc_info=exc)
+        failure = Failed(ErrorCode.INTERNAL, f"engine error: {exc}", FinishReason.ERROR)
+        for job in jobs:
+            self._lifecycle.end(job, failure)
+
+    def _fail_everything(self, message: str) -> None:
+        """After a bug in the loop: end every job running or queued with an internal error."""
+        jobs = [*self._policy.prefilling, *self._policy.decoding]
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                jobs.append(job)
+        for job in jobs:
+            try:
+                self._lifecycle.end(job, Failed(ErrorCode.INTERNAL, message))
+            except Exception:  # the state the bug left may break a release: still answer the rest
+                log.exception("ending request %r failed", job.request.id)
+
+    def _reset_runtime_stats(self) -> None:
+        reset = getattr(self.engine.backend, "reset_runtime_stats", None)
+        if reset is not None and self._runtime_stats is not None:
+            reset()
+            self.runtime_stats = self._runtime_stats()
+
+    def _flush(self) -> None:
+        """Send the replies made so far, after the step that made them is on record and the
+        usage they imply is published (`stats` never lags a reply)."""
+        if self._outbox.pending:
+            self._publish_usage()
+            self._outbox.send(self._out)
+
+    def _publish_usage(self) -> None:
+        sessions = [live.session for live in self._lifecycle.sessions.values()]
+        policy = self._policy
+        self.usage = usage_map(self.engine, sessions, len(policy.prefilling), len(policy.decoding))

@@ -1,0 +1,215 @@
+"""Jobs: requests on their way through the engine thread, how they can end, and the job board.
+
+A `Job` is one engine request (open, append, step, generate, close) from the
+moment the I/O thread accepts it until its final reply. `JobState` and the
+outcomes (`Finished`, `Failed`, `Cancelled`, `Closed`) are the vocabulary of
+its end; lifecycle.py holds the state machine that uses them.
+
+`JobBoard` is the state both threads share, under one lock: session slots
+reserved (so a full daemon answers `busy` at once), which client owns which
+session, and the requests in flight (so `abort` is answered at once, by
+flagging the job for the engine thread to end).
+"""
+
+import threading
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rocforge_rt.engine.session import TokenEvent
+from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.profiling.latency import RequestTimer
+from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
+
+
+class CancelCause(StrEnum):
+    """Why a request was cut short (a reply's `abort_reason`)."""
+
+    CLIENT = "client"  # an `abort` request
+    CLOSE = "close"  # its session was closed
+    DISCONNECT = "disconnect"  # the client went away
+    SHUTDOWN = "shutdown"  # the daemon is stopping
+    DEADLINE = "deadline"  # its `deadline_ms` passed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-daemon limits, fixed at start-up."""
+
+    n_ctx: int
+    max_sessions: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    idle_timeout_s: float
+
+
+class JobState(StrEnum):
+    """Where a job is (the table in lifecycle.py says how it moves)."""
+
+    QUEUED = "queued"  # accepted by the I/O thread, waiting in the engine thread's inbox
+    PREFILLING = "prefilling"  # its turn's prompt goes through the engine chunk by chunk
+    DECODING = "decoding"  # in the decode batch: one token a step
+    ENDED = "ended"  # its final reply is made; it holds nothing
+
+
+@dataclass(eq=False)
+class Job:
+    """A request on its way through the engine thread, and what it has produced so far."""
+
+    request: Request
+    envelope: tuple[bytes, ...]  # routing frames: the peer's identity (and a REQ delimiter)
+    received: float  # perf_counter() at receipt
+    cancel: CancelCause | None = None  # set by the I/O thread
+    # engine-thread state
+    state: JobState = JobState.QUEUED
+    session_id: int | None = None  # the session it runs on, once started
+    timer: RequestTimer | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    remaining: float = 0  # tokens still wanted (step: n; generate: until the turn ends)
+    events: list[TokenEvent] = field(default_factory=list)  # step: tokens not yet replied
+    prefill_started: float | None = None
+
+    @property
+    def peer(self) -> bytes:
+        return self.envelope[0]
+
+    @property
+    def deadline(self) -> float | None:
+        ms = self.request.deadline_ms
+        return None if ms is None else self.received + ms / 1000.0
+
+    @property
+    def streams(self) -> bool:
+        return self.request.op == "generate"
+
+    @property
+    def opens_session(self) -> bool:
+        """An open or a one-shot generate: it reserves a session slot when it is accepted."""
+        return self.request.turn is not None and self.request.op != "append"
+
+
+# --- outcomes: how a job ends (lifecycle.Lifecycle.end takes one) --------------------------------
+@dataclass(frozen=True)
+class Finished:
+    """The job ran its course: a token reply carrying its last tokens."""
+
+    reason: FinishReason | None  # None: open, append or step ended while the turn goes on
+    events: tuple[TokenEvent, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failed:
+    """An error reply. `finish_reason` ERROR: the engine failed mid-turn (the turn ends too)."""
+
+    code: ErrorCode
+    message: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """Cut short: an error reply before the first token, else its tokens with finish `abort`."""
+
+    cause: CancelCause
+
+
+@dataclass(frozen=True)
+class Closed:
+    """A `close` request's: its session is closed."""
+
+    context_tokens: int
+
+
+Outcome = Finished | Failed | Cancelled | Closed
+
+
+class JobBoard:
+    """Slots, session owners and in-flight requests, shared by the I/O and engine threads.
+
+    A session slot is held either by a job that will open a session (from `admit` until
+    `session_opened` or `retire`) or by an open session (until `session_closed`).
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self._lock = threading.Lock()
+        self._n_slots = n_slots
+        self._reserved: set[Job] = set()  # jobs holding a slot for the session they will open
+        self._owners: dict[int, bytes] = {}  # open session -> the peer that opened it
+        self._by_id: dict[tuple[bytes, int | str], Job] = {}
+        self._jobs: set[Job] = set()
+
+    def admit(self, job: Job) -> None:
+        """Register a request; ProtocolError for a duplicate id, or `busy` when it needs a
+        session slot and none is free."""
+        key = (job.peer, job.request.id)
+        with self._lock:
+            if job.request.id is not None and key in self._by_id:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"request id {job.request.id!r} is already in flight"
+                )
+            if job.opens_session:
+                if len(self._reserved) + len(self._owners) >= self._n_slots:
+                    raise ProtocolError(ErrorCode.BUSY, "every session slot is in use; retry later")
+                self._reserved.add(job)
+            if job.request.id is not None:
+                self._by_id[key] = job
+            self._jobs.add(job)
+
+    def retire(self, job: Job) -> None:
+        """Take an ended job off the board; a slot it reserved and never used goes back."""
+        with self._lock:
+            self._jobs.discard(job)
+            self._reserved.discard(job)
+            if self._by_id.get((job.peer, job.request.id)) is job:
+                del self._by_id[(job.peer, job.request.id)]
+
+    def session_opened(self, job: Job, session_id: int) -> None:
+        """The slot `job` reserved is now its session's, owned by the job's peer."""
+        with self._lock:
+            self._reserved.discard(job)
+            self._owners[session_id] = job.peer
+
+    def session_closed(self, session_id: int) -> None:
+        """The session's slot goes back."""
+        with self._lock:
+            self._owners.pop(session_id, None)
+
+    def owns(self, peer: bytes, session_id: int) -> bool:
+        with self._lock:
+            return self._owners.get(session_id) == peer
+
+    def cancel(
+        self,
+        peer: bytes,
+        cause: CancelCause,
+        *,
+        request: int | str | None = None,
+        session: int | None = None,
+    ) -> bool:
+        """Flag the peer's request with that id, or its request on that session."""
+        with self._lock:
+            if request is not None:
+                target = self._by_id.get((peer, request))
+            else:
+                target = next(
+                    (j for j in self._jobs if j.peer == peer and j.session_id == session), None
+                )
+            if target is None or target.state is JobState.ENDED:
+                return False
+            target.cancel = target.cancel or cause
+            return True
+
+    def cancel_peer(self, peer: bytes, cause: CancelCause) -> None:
+        with self._lock:
+            for job in self._jobs:
+                if job.peer == peer:
+                    job.cancel = job.cancel or cause
+
+    def cancel_all(self, cause: CancelCause) -> None:
+        with self._lock:
+            for job in self._jobs:
+                job.cancel = job.cancel or cause
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"in_flight": len(self._jobs), "sessions": len(self._owners)}

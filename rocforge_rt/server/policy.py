@@ -1,0 +1,108 @@
+"""The step policy: what the engine's next step runs, and what each token means for its job.
+
+Pure: jobs in, decisions out; no engine, no sockets, no clock of its own. Each
+engine-thread iteration asks, in order:
+
+1. `due_to_cancel(now)`: running jobs flagged by the I/O thread (abort, close,
+   disconnect, shutdown) or past their deadline. They are ended before the step,
+   so a request stops within one step.
+2. `next_prefill()`: one prefill chunk of the oldest job still prefilling (a long
+   prompt delays running generations by one chunk at a time, not by its whole
+   prefill). Its first token goes to `after_prefill`.
+3. `decode_batch()`: one batched decode of every job decoding, asked after the
+   prefill chunk ran, so a generate whose prefill just ended joins this step.
+   Each token goes to `after_decode`.
+
+`after_prefill` and `after_decode` count the token and say what it means: a
+`Finished` outcome (the job ends with it), `Emit.STREAM` (send it now), or
+`Emit.HOLD` (keep it for the job's final reply: a `step` replies once). A job
+leaves the queues only when it ends (`remove`), or moves from prefill to decode.
+"""
+
+from collections import deque
+from enum import StrEnum
+
+from rocforge_rt.engine.session import TokenEvent
+from rocforge_rt.server.jobs import CancelCause, Finished, Job, JobState
+
+
+class Emit(StrEnum):
+    """What to do with a token that does not end its job."""
+
+    STREAM = "stream"  # reply with it now (generate)
+    HOLD = "hold"  # keep it for the job's final reply (step)
+
+
+class StepPolicy:
+    """The prefill queue (oldest first) and the decode batch (in order of arrival)."""
+
+    def __init__(self) -> None:
+        self.prefilling: deque[Job] = deque()
+        self.decoding: list[Job] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether the next step has work."""
+        return bool(self.prefilling or self.decoding)
+
+    def queue_prefill(self, job: Job) -> None:
+        """QUEUED -> PREFILLING: its turn's prompt is in the session (open, append, generate)."""
+        job.state = JobState.PREFILLING
+        self.prefilling.append(job)
+
+    def join_decode(self, job: Job) -> None:
+        """-> DECODING: a step on a session (n tokens), a generate on a session or past its
+        prefill (tokens until the turn ends)."""
+        job.state = JobState.DECODING
+        job.remaining = job.request.n if job.request.op == "step" else float("inf")
+        self.decoding.append(job)
+
+    def due_to_cancel(self, now: float) -> list[tuple[Job, CancelCause]]:
+        """Running jobs to end before the step: flagged by the I/O thread, or past deadline."""
+        due = []
+        for job in [*self.prefilling, *self.decoding]:
+            deadline = job.deadline
+            if job.cancel is not None:
+                due.append((job, job.cancel))
+            elif deadline is not None and now >= deadline:
+                due.append((job, CancelCause.DEADLINE))
+        return due
+
+    def next_prefill(self) -> Job | None:
+        """The job whose next prompt chunk this step runs: the oldest still prefilling."""
+        return self.prefilling[0] if self.prefilling else None
+
+    def decode_batch(self) -> tuple[Job, ...]:
+        """The jobs this step decodes one token for: every job decoding."""
+        return tuple(self.decoding)
+
+    def after_prefill(self, job: Job, event: TokenEvent) -> Finished | Emit:
+        """The first token of a turn: open and append end with it, a generate goes on."""
+        job.completion_tokens = 1
+        if job.request.op in ("open", "append") or event.finish_reason is not None:
+            return Finished(event.finish_reason, (event,))
+        self.prefilling.remove(job)
+        self.join_decode(job)
+        return Emit.STREAM
+
+    def after_decode(self, job: Job, event: TokenEvent) -> Finished | Emit:
+        """A generate streams each token until the turn ends; a step replies once, with its
+        n tokens or fewer when the turn ends first."""
+        job.completion_tokens += 1
+        job.remaining -= 1
+        if job.streams:
+            if event.finish_reason is None:
+                return Emit.STREAM
+            return Finished(event.finish_reason, (event,))
+        job.events.append(event)
+        if event.finish_reason is None and job.remaining > 0:
+            return Emit.HOLD
+        events, job.events = tuple(job.events), []
+        return Finished(event.finish_reason, events)
+
+    def remove(self, job: Job) -> None:
+        """Take an ending job out of the queues (nothing when it is in neither)."""
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+        if job in self.decoding:
+            self.decoding.remove(job)

@@ -1,0 +1,153 @@
+"""The maps the engine thread replies with, and the outbox they wait in until sent.
+
+Replies to a job: token replies (a streamed token, or a final reply with its
+finish reason, usage and timings) and error replies. A streaming request
+(`generate`) has `done` in every reply, True in its last. `usage_map` is the
+`stats` reply's picture of sessions and KV use.
+"""
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.engine.session import Session, TokenEvent
+from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.server.jobs import CancelCause, Job
+from rocforge_rt.server.protocol import ErrorCode, error_reply, ok_reply, pack
+
+
+class Outbox:
+    """Replies made on the engine thread, sent together after the step that made them."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[tuple[bytes, ...], dict[str, Any]]] = []
+
+    def add(self, job: Job, reply: dict[str, Any]) -> None:
+        self.pending.append((job.envelope, reply))
+
+    def send(self, socket: zmq.Socket) -> None:
+        for envelope, reply in self.pending:
+            socket.send_multipart([*envelope, pack(reply)])
+        self.pending.clear()
+
+
+def _token_map(event: TokenEvent, logprobs: bool) -> dict[str, Any]:
+    token: dict[str, Any] = {"token": event.token, "text": event.text, "logprob": event.logprob}
+    if logprobs:
+        token["top_logprobs"] = [list(pair) for pair in event.top_logprobs]
+    return token
+
+
+def _token_reply(
+    job: Job,
+    session: Session,
+    n_ctx: int,
+    events: Iterable[TokenEvent],
+    text: str,
+    finish_reason: FinishReason | None,
+    timings: dict[str, float],
+    **extra: Any,
+) -> dict[str, Any]:
+    logprobs = session.sampler is not None and session.sampler.params.logprobs > 0
+    return ok_reply(
+        job.request.id,
+        session=job.session_id,
+        tokens=[_token_map(e, logprobs) for e in events],
+        text=text,
+        finish_reason=None if finish_reason is None else str(finish_reason),
+        usage={
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "context_tokens": session.n_context,
+            "context_size": n_ctx,
+        },
+        timings=timings,
+        **extra,
+    )
+
+
+def stream_reply(job: Job, session: Session, n_ctx: int, event: TokenEvent) -> dict[str, Any]:
+    """A streamed token that does not end the job (`done` False); TTFT with the first."""
+    job.timer.token_sent(time.perf_counter(), streamed=True)
+    ttft_ms = job.timer.ttft_ms if job.completion_tokens == 1 else None
+    timings = {} if ttft_ms is None else {"ttft_ms": ttft_ms}
+    return _token_reply(job, session, n_ctx, [event], event.text, None, timings, done=False)
+
+
+def final_reply(
+    job: Job,
+    session: Session,
+    n_ctx: int,
+    events: Iterable[TokenEvent],
+    finish_reason: FinishReason | None,
+    *,
+    tail: str = "",
+    abort_reason: CancelCause | None = None,
+) -> dict[str, Any]:
+    """A job's last token reply: its last tokens (and `tail`, text held back until the end),
+    its usage and timings; the request's latency record is taken here."""
+    events = list(events)
+    now = time.perf_counter()
+    if events:
+        job.timer.token_sent(now, streamed=job.streams)
+    record = job.timer.finish(
+        now,
+        prompt_tokens=job.prompt_tokens,
+        completion_tokens=job.completion_tokens,
+        finish_reason=finish_reason,
+    )
+    timings = {"e2e_ms": record.e2e_ms}
+    if record.ttft_ms is not None:
+        timings["ttft_ms"] = record.ttft_ms
+    if record.itl_ms_mean is not None:
+        timings["itl_ms_mean"] = record.itl_ms_mean
+    if job.prefill_started is not None:
+        timings["queue_ms"] = (job.prefill_started - job.received) * 1000.0
+    extra: dict[str, Any] = {}
+    if abort_reason is not None:
+        extra["abort_reason"] = str(abort_reason)
+    if job.streams:
+        extra["done"] = True
+    text = "".join(e.text for e in events) + tail
+    return _token_reply(job, session, n_ctx, events, text, finish_reason, timings, **extra)
+
+
+def job_error_reply(
+    job: Job, code: ErrorCode, message: str, finish_reason: FinishReason | None = None
+) -> dict[str, Any]:
+    """An error that ends a job (`done` for a streaming request)."""
+    extra: dict[str, Any] = {}
+    if finish_reason is not None:
+        extra["finish_reason"] = str(finish_reason)
+    if job.streams:
+        extra["done"] = True
+    return error_reply(job.request.id, code, message, **extra)
+
+
+def usage_map(
+    engine: Engine, sessions: list[Session], prefilling: int, generating: int
+) -> dict[str, Any]:
+    """Sessions open and running, and the KV pool's use (part of the `stats` reply)."""
+    cached = sum(session.n_past for session in sessions)
+    per_token = kv_bytes_per_token(engine.hparams)
+    pool = kv_pool_bytes(engine.hparams, engine.slots.n_slots, engine.n_ctx)
+    return {
+        "sessions": {
+            "open": len(sessions),
+            "max": engine.slots.n_slots,
+            "prefilling": prefilling,
+            "generating": generating,
+        },
+        "kv": {
+            "slots_in_use": engine.slots.in_use,
+            "slots": engine.slots.n_slots,
+            "tokens_cached": cached,
+            "bytes_used": cached * per_token,
+            "pool_bytes": pool,
+            "use": cached * per_token / pool,
+        },
+    }

@@ -1,0 +1,284 @@
+"""How a job ends (server/lifecycle.py), without sockets: each outcome's reply, and what the
+end releases (queue place, board entry, reserved slot, the session it opened), on the
+tiny model's CPU engine. The engine thread's loop is played by hand."""
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.session import TokenEvent
+from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.profiling.latency import LatencyRecorder
+from rocforge_rt.server.jobs import (
+    CancelCause,
+    Cancelled,
+    Failed,
+    Finished,
+    Job,
+    JobBoard,
+    JobState,
+    Limits,
+)
+from rocforge_rt.server.lifecycle import Lifecycle
+from rocforge_rt.server.policy import StepPolicy
+from rocforge_rt.server.protocol import ErrorCode, ProtocolError, parse_request
+from rocforge_rt.server.replies import Outbox
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
+PEER = b"peer"
+LIMITS = Limits(n_ctx=64, max_sessions=2, max_prompt_tokens=56, max_new_tokens=40,
+                idle_timeout_s=300.0)  # fmt: skip
+
+
+class Rig:
+    """A Lifecycle with its engine, board, policy and outbox, as the engine thread holds them."""
+
+    def __init__(self, engine: Engine, limits: Limits = LIMITS) -> None:
+        self.engine = engine
+        self.board = JobBoard(limits.max_sessions)
+        self.policy = StepPolicy()
+        self.outbox = Outbox()
+        self.lifecycle = Lifecycle(
+            engine, limits, self.board, self.policy, LatencyRecorder(), self.outbox
+        )
+        self._ids = iter(range(1, 1000))
+
+    def accept(self, op: str, **fields: Any) -> Job:
+        """A request as the I/O thread takes it: parsed, admitted to the board."""
+        request = parse_request({"op": op, "id": next(self._ids), **fields})
+        job = Job(request, (PEER,), time.perf_counter())
+        self.board.admit(job)
+        return job
+
+    def start(self, op: str, **fields: Any) -> Job:
+        job = self.accept(op, **fields)
+        self.lifecycle.start(job)
+        return job
+
+    def first_token(self, job: Job) -> TokenEvent:
+        """Run the job's prefill to its first token and hand it to the policy."""
+        session = self.lifecycle.session_of(job)
+        while (event := self.engine.prefill(session, should_stop=lambda: True)) is None:
+            pass
+        self.lifecycle.deliver(job, event, self.policy.after_prefill(job, event))
+        return event
+
+    def decode(self, job: Job) -> TokenEvent:
+        (event,) = self.engine.decode([self.lifecycle.session_of(job)])
+        self.lifecycle.deliver(job, event, self.policy.after_decode(job, event))
+        return event
+
+    def replies(self) -> list[dict[str, Any]]:
+        """The replies made since the last call."""
+        replies = [reply for _envelope, reply in self.outbox.pending]
+        self.outbox.pending.clear()
+        return replies
+
+    def open_session(self, **fields: Any) -> int:
+        """An open whose first token has been replied: the client's idle session."""
+        job = self.start("open", tokens=PROMPT, **fields)
+        self.first_token(job)
+        (reply,) = self.replies()
+        return reply["session"]
+
+    def free_slots(self) -> int:
+        """Session slots the board would still reserve."""
+        probes = []
+        try:
+            while True:
+                probes.append(self.accept("open", tokens=[1]))
+        except ProtocolError as exc:
+            assert exc.code is ErrorCode.BUSY
+        for probe in probes:
+            self.board.retire(probe)
+        return len(probes)
+
+    def holds_nothing(self) -> bool:
+        """No session, no slot, no job in flight, nothing queued."""
+        return (
+            not self.lifecycle.sessions
+            and self.engine.slots.in_use == 0
+            and self.board.counts() == {"in_flight": 0, "sessions": 0}
+            and not self.policy.busy
+            and self.free_slots() == LIMITS.max_sessions
+        )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Engine:
+    return Engine.load(tiny_model, backend="cpu", n_slots=2, n_ctx=64, prefill_chunk=4)
+
+
+@pytest.fixture()
+def rig(engine: Engine) -> Iterator[Rig]:
+    rig = Rig(engine)
+    yield rig
+    for live in list(rig.lifecycle.sessions.values()):  # the engine is shared by the module
+        rig.lifecycle.close_session(live)
+
+
+# --- the session a job opened -------------------------------------------------------------------
+def test_an_open_that_ends_before_its_first_token_closes_the_session_it_opened(rig: Rig) -> None:
+    job = rig.start("open", tokens=PROMPT)
+    assert job.state is JobState.PREFILLING and rig.engine.slots.in_use == 1
+    assert rig.board.counts() == {"in_flight": 1, "sessions": 1}
+    assert rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT)) is True
+    assert job.state is JobState.ENDED
+    (reply,) = rig.replies()
+    assert reply["error"] == {
+        "code": "aborted", "message": "request cut before its first token (client)",
+    }  # fmt: skip
+    assert rig.holds_nothing()
+
+
+def test_an_open_that_gave_its_token_leaves_its_session_open_and_idle(rig: Rig) -> None:
+    job = rig.start("open", tokens=PROMPT, max_tokens=8)
+    rig.first_token(job)
+    (reply,) = rig.replies()
+    assert reply["ok"] and reply["finish_reason"] is None and len(reply["tokens"]) == 1
+    live = rig.lifecycle.sessions[reply["session"]]
+    assert live.job is None and not live.session.finished
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1}
+    assert rig.engine.slots.in_use == 1 and rig.free_slots() == 1
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        Finished(FinishReason.LENGTH),
+        Failed(ErrorCode.INTERNAL, "engine error: injected", FinishReason.ERROR),
+        Cancelled(CancelCause.DISCONNECT),
+    ],
+    ids=["finished", "failed", "cancelled"],
+)
+def test_a_one_shot_generate_closes_its_session_however_it_ends(rig: Rig, outcome) -> None:
+    job = rig.start("generate", tokens=PROMPT, max_tokens=8)
+    rig.first_token(job)
+    (streamed,) = rig.replies()
+    assert streamed["done"] is False
+    rig.lifecycle.end(job, outcome)
+    (final,) = rig.replies()
+    assert final["done"] is True
+    assert rig.holds_nothing()
+
+
+# --- refused and queued jobs --------------------------------------------------------------------
+def test_a_refused_open_gives_back_the_slot_it_reserved(rig: Rig) -> None:
+    job = rig.start("open", tokens=PROMPT, max_tokens=41)
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "limit_exceeded" and job.state is JobState.ENDED
+    assert rig.holds_nothing()
+
+
+def test_a_job_cancelled_while_queued_ends_at_its_start(rig: Rig) -> None:
+    job = rig.accept("generate", tokens=PROMPT)
+    job.cancel = CancelCause.SHUTDOWN
+    rig.lifecycle.start(job)
+    (reply,) = rig.replies()
+    assert reply == {
+        "id": job.request.id, "ok": False, "done": True,
+        "error": {"code": "aborted", "message": "aborted (shutdown) before it started"},
+    }  # fmt: skip
+    assert rig.holds_nothing()
+
+
+# --- jobs on the client's session ---------------------------------------------------------------
+def test_a_step_cut_before_its_first_token_ends_the_turn_but_not_the_session(rig: Rig) -> None:
+    session = rig.open_session(max_tokens=8)
+    job = rig.start("step", session=session, n=3)
+    assert job.state is JobState.DECODING
+    rig.lifecycle.end(job, Cancelled(CancelCause.DEADLINE))
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "deadline_exceeded"
+    live = rig.lifecycle.sessions[session]
+    assert live.job is None and live.session.finish_reason is FinishReason.ABORT
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1}
+    rig.start("step", session=session)
+    assert rig.replies()[0]["error"]["code"] == "turn_finished"
+
+
+def test_a_step_cut_after_tokens_replies_them_with_finish_abort(rig: Rig) -> None:
+    session = rig.open_session(max_tokens=8)
+    job = rig.start("step", session=session, n=5)
+    tokens = [rig.decode(job).token for _ in range(2)]
+    assert rig.replies() == []  # a step holds its tokens
+    rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT))
+    (reply,) = rig.replies()
+    assert [t["token"] for t in reply["tokens"]] == tokens
+    assert (reply["finish_reason"], reply["abort_reason"]) == ("abort", "client")
+    assert session in rig.lifecycle.sessions
+
+
+def test_an_engine_failure_ends_the_turn_with_finish_reason_error(rig: Rig) -> None:
+    session = rig.open_session(max_tokens=8)
+    job = rig.start("step", session=session, n=2)
+    rig.lifecycle.end(job, Failed(ErrorCode.INTERNAL, "engine error: x", FinishReason.ERROR))
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "internal" and reply["finish_reason"] == "error"
+    assert rig.lifecycle.sessions[session].session.finish_reason is FinishReason.ERROR
+
+
+# --- ending twice -------------------------------------------------------------------------------
+def test_ending_a_job_twice_is_harmless_no_second_reply_nothing_released_twice(rig: Rig) -> None:
+    job = rig.start("generate", tokens=PROMPT, max_tokens=8)
+    assert rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT)) is True
+    assert rig.lifecycle.end(job, Failed(ErrorCode.INTERNAL, "again")) is False
+    assert len(rig.replies()) == 1
+    assert rig.holds_nothing()
+
+
+# --- closing a session: a separate operation ----------------------------------------------------
+def test_close_ends_the_job_running_on_the_session_then_closes_it(rig: Rig) -> None:
+    session = rig.open_session(max_tokens=8)
+    step = rig.start("step", session=session, n=5)
+    rig.decode(step)
+    close = rig.start("close", session=session)
+    step_reply, close_reply = rig.replies()
+    assert step_reply["id"] == step.request.id and step_reply["abort_reason"] == "close"
+    assert close_reply == {
+        "id": close.request.id, "ok": True, "session": session, "closed": True,
+        "usage": {"context_tokens": len(PROMPT) + 2},
+    }  # fmt: skip
+    assert step.state is close.state is JobState.ENDED
+    assert rig.holds_nothing()
+
+
+def test_closing_an_idle_session_gives_its_slot_back_and_makes_no_reply(rig: Rig) -> None:
+    session = rig.open_session()
+    rig.lifecycle.close_session(rig.lifecycle.sessions[session])
+    assert rig.replies() == []
+    assert rig.holds_nothing()
+
+
+def test_idle_sessions_are_closed_and_remembered_as_expired(engine: Engine) -> None:
+    rig = Rig(engine, dataclasses.replace(LIMITS, idle_timeout_s=0.01))
+    session = rig.open_session()
+    rig.lifecycle.reap_idle(time.perf_counter() + 1.0)
+    assert rig.holds_nothing()
+    rig.start("step", session=session)
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "unknown_session" and "expired" in reply["error"]["message"]
+
+
+# --- engine refusals ----------------------------------------------------------------------------
+def test_an_engine_refusal_is_replied_with_its_mapped_code(rig: Rig) -> None:
+    held = [rig.engine.open_session([1]) for _ in range(2)]  # slots the board does not know of
+    try:
+        rig.start("open", tokens=PROMPT)
+        (reply,) = rig.replies()
+        assert reply["error"] == {"code": "busy", "message": "all 2 KV slots are in use"}
+        assert rig.free_slots() == 2  # the reservation went back
+    finally:
+        for session in held:
+            rig.engine.close_session(session)
+    rig.start("open", tokens=[1, 256])  # checked by the engine: the vocabulary
+    (reply,) = rig.replies()
+    assert reply["error"] == {
+        "code": "bad_request", "message": "token id 256 is outside the vocabulary [0, 256)",
+    }  # fmt: skip
+    assert rig.holds_nothing()
