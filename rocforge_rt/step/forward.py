@@ -15,7 +15,7 @@ from rocforge_rt.model.gguf_file import ModelFile
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.sampling import SampledToken
 
-# Per layer, in order: the launches a decode step makes (DESIGN.md, launch budget).
+# Per layer, in order: the launches a decode step makes (docs/architecture.md, launch budget).
 LAYER_OPS = (
     "norm_qkv_rope",  # RMSNorm folded into the fused Q|K|V GEMV; RoPE + KV-append in its epilogue
     "attention",  # grouped-query attention over the slot's cache
