@@ -40,12 +40,13 @@
 //   Launch: grid (n_kv, ceil(n_tokens / RF_ATTN_PREFILL_TOKENS)),
 //           block RF_ATTN_PREFILL_TOKENS * group * warp size.
 #include "rf_portability.h"
+#include "rf_constants.h"
 
-#define RF_ATTN_PIECE 32  // positions a piece: lanes 0..31 (a wave64 leaves 32..63 idle)
-#define RF_ATTN_SEGMENT 2  // pieces a segment
-#define RF_ATTN_PREFILL_TOKENS (128 / RF_WARP_SIZE)  // up to 1024 threads with group 8
-#define RF_ATTN_MAX_GROUP 8
-#define RF_ATTN_MAX_D 128
+// From rf_constants.h: RF_ATTN_PIECE (positions a piece: lanes 0..31; a wave64 leaves
+// 32..63 idle), RF_ATTN_SEGMENT (pieces a segment), RF_ATTN_PREFILL_LANES (warp size x
+// tokens a prefill block takes), RF_ATTN_MAX_GROUP (query heads per KV head) and
+// RF_ATTN_MAX_D (head dim).
+#define RF_ATTN_PREFILL_TOKENS (RF_ATTN_PREFILL_LANES / RF_WARP_SIZE)  // 1024 threads, group 8
 #define RF_ATTN_MAX_PER_LANE (RF_ATTN_MAX_D / RF_ATTN_PIECE)  // output elements a lane holds
 #define RF_ATTN_PITCH (RF_ATTN_MAX_D + 8)  // staged key row pitch in halves (16-byte aligned)
 

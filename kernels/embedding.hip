@@ -14,12 +14,11 @@
 // min(n_tokens, 65535)); each thread writes one element per token and loops
 // over tokens in steps of gridDim.y.
 #include "rf_portability.h"
+#include "rf_constants.h"
 
-#define RF_EMBED_THREADS 256
-
-#define RF_Q8_0_BLOCK_BYTES 34  // f16 d + 32 x int8 q; value = d * q
-#define RF_Q4_0_BLOCK_BYTES 18  // f16 d + 16 bytes; value = d * (nibble - 8)
-#define RF_QK 32                // elements per quant block
+// From rf_constants.h: RF_EMBED_THREADS, RF_QK (elements per quant block) and the GGUF
+// block sizes RF_Q8_0_BLOCK_BYTES (f16 d + 32 x int8 q; value = d * q) and
+// RF_Q4_0_BLOCK_BYTES (f16 d + 16 bytes; value = d * (nibble - 8)).
 
 // Q8_0 element i of a row.
 RF_DEVICE_INLINE float rf_q8_0_value(const uint8_t* row, int i) {

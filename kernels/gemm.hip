@@ -1,6 +1,7 @@
 // Prefill GEMM: out[t, :] = W x[t, :] for a whole prompt chunk of activation rows t,
 // on the int8 matrix units (mma.m16n8k32 on NVIDIA; emulated with dp4a elsewhere,
-// see rf_mma_s8_m16n8k32 in the header). The decode GEMV (gemv.hip) keeps rows <= 8.
+// see rf_mma_s8_m16n8k32 in the header). The decode GEMV (gemv.hip) keeps rows <=
+// RF_GEMV_MAX_ROWS.
 //
 // The arithmetic is rf_q8.h's, shared with the decode GEMV: activations (optionally
 // RMS-normalized with gain g) are quantized to int8 per 32-element block, and each
@@ -19,27 +20,28 @@
 //                        with xq/xd. Weights are expanded to int8 in the same mma order
 //                        while being copied to shared memory (the dot product does not
 //                        depend on the order of k as long as both sides share it).
-//                        Launch: grid (ceil(rows / 64), n_tiles), block RF_GEMM_THREADS;
-//                        n_tiles = ceil(n / 128), or ceil(n / 64) for SwiGLU.
-// Epilogues: 0 store; 1 add the residual (out may alias residual);
-//            2 SwiGLU: weight rows [0, n) are gate, [n, 2n) up; out[t, j] = silu(gate) * up.
+//                        Launch: grid (ceil(rows / RF_GEMM_TILE_M), n_tiles), block
+//                        RF_GEMM_THREADS; n_tiles = ceil(n / RF_GEMM_TILE_N), or
+//                        ceil(n / (RF_GEMM_TILE_N / 2)) for SwiGLU.
+// Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);
+//            RF_EPILOGUE_SWIGLU: weight rows [0, n) are gate, [n, 2n) up;
+//            out[t, j] = silu(gate) * up.
 #include "rf_portability.h"
 #include "rf_q8.h"
 
+// From rf_constants.h: RF_GEMM_THREADS (four 32-lane groups, 2 (n) x 2 (m)), RF_GEMM_TILE_N
+// (weight rows per block; a group takes half: four 16-row mma tiles), RF_GEMM_TILE_M
+// (activation rows per block; a group takes half: four 8-row tiles) and the RF_EPILOGUE_*
+// codes. The thread-to-tile mapping below is written for these sizes:
+static_assert(RF_GEMM_THREADS == 128 && RF_GEMM_TILE_N == 128 && RF_GEMM_TILE_M == 64,
+              "the GEMM's thread-to-tile mapping is written for 128 threads, 128 x 64 tiles");
 #define RF_Q8_THREADS RF_Q8_NORM_THREADS
-#define RF_GEMM_THREADS 128   // four 32-lane groups, 2 (n) x 2 (m)
-#define RF_GEMM_TILE_N 128    // weight rows per block; a group takes 64 (four 16-row mma tiles)
-#define RF_GEMM_TILE_M 64     // activation rows per block; a group takes 32 (four 8-row tiles)
 #define RF_GEMM_KB 4          // quant blocks (32 k each) per shared-memory stage, whole
                               // canonical-sum stages (a multiple of RF_Q8_STAGE)
 // Shared row pitch in bytes: 40 words = 8 (mod 32) banks, so the 8-byte fragment loads
 // of a half-warp (4 rows x 4 lanes) hit 32 distinct banks.
 #define RF_GEMM_PITCH (RF_GEMM_KB * RF_QK + 32)
 static_assert(RF_GEMM_KB % RF_Q8_STAGE == 0, "a shared-memory stage holds whole sum stages");
-
-#define RF_EPILOGUE_STORE 0
-#define RF_EPILOGUE_RESIDUAL 1
-#define RF_EPILOGUE_SWIGLU 2
 
 // int32 accumulator start whose bits, read as fp32, are 1.5 * 2^23 + dot exactly for
 // |dot| < 2^22 (a block's dot is at most 32 * 127 * 128): int -> float costs one add.
@@ -129,7 +131,7 @@ RF_DEVICE_INLINE uint32_t rf_gemm_nibbles_to_s8(uint32_t nibbles) {
 }
 
 struct rf_gemm_fmt_q4_0 {
-    static constexpr int block_bytes = 16;
+    static constexpr int block_bytes = RF_QK / 2;
     static constexpr int loads = 1;  // 16-byte loads per block
     // Byte j of raw word q holds elements 4q + j (low nibble) and 16 + 4q + j (high).
     RF_DEVICE_INLINE void expand(const rf_gemm_u32x4 raw[loads], rf_gemm_u32x4 out[2]) {
@@ -142,7 +144,7 @@ struct rf_gemm_fmt_q4_0 {
 };
 
 struct rf_gemm_fmt_q8_0 {
-    static constexpr int block_bytes = 32;
+    static constexpr int block_bytes = RF_QK;
     static constexpr int loads = 2;
     RF_DEVICE_INLINE void expand(const rf_gemm_u32x4 raw[loads], rf_gemm_u32x4 out[2]) {
 #pragma unroll

@@ -24,13 +24,13 @@
 // after each chunk the warp folds the chunk's stage sums in stage order with
 // shuffles (every lane ends with the total). Warps walk the row groups with a grid
 // stride, so the host may launch fewer blocks than groups.
-// Epilogues: 0 store; 1 add the residual (out may alias residual);
-//            2 SwiGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
+// Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);
+//            RF_EPILOGUE_SWIGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
 //
 // Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_rope]: R = 1 takes one activation row
-// (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be 2
-// exactly for the _swiglu kernels; the _rope kernels (the QKV projection) store
-// through rf_rope_store instead (rf_rope.h) and take its arguments.
+// (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be
+// RF_EPILOGUE_SWIGLU exactly for the _swiglu kernels; the _rope kernels (the QKV
+// projection) store through rf_rope_store instead (rf_rope.h) and take its arguments.
 //
 // Launch: block RF_GEMV_THREADS, any grid >= 1 (grid-stride over
 // ceil(n / NO) row groups of one warp each), dynamic shared bytes
@@ -40,17 +40,13 @@
 #include "rf_q8.h"
 #include "rf_rope.h"
 
+// RF_GEMV_MAX_ROWS and the RF_EPILOGUE_* codes come from rf_constants.h.
 #define RF_GEMV_THREADS RF_Q8_NORM_THREADS
 #define RF_GEMV_WARPS (RF_GEMV_THREADS / RF_WARP_SIZE)
-#define RF_GEMV_MAX_ROWS 8
 #define RF_GEMV_STAGES_PER_LANE 2  // canonical-sum stages a lane takes per chunk
 #define RF_GEMV_UNROLL (RF_GEMV_STAGES_PER_LANE * RF_Q8_STAGE)  // blocks per lane per row in flight
 #define RF_GEMV_X_REGS 4  // 16-byte activation pieces per thread kept in registers
 #define RF_GEMV_MEMBER __device__ __forceinline__  // member functions (no `static`)
-
-#define RF_EPILOGUE_STORE 0
-#define RF_EPILOGUE_RESIDUAL 1
-#define RF_EPILOGUE_SWIGLU 2
 
 struct alignas(16) rf_u32x4 {
     uint32_t v[4];
@@ -232,7 +228,7 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
 // Integer dot of one weight block (as signed values) with one q8 activation block
 // (halves xl, xh): Q4_0 subtracts the offset 8 * sum(q) from the nibbles' dot.
 struct rf_q4_0_format {
-    static constexpr int block_bytes = 16;
+    static constexpr int block_bytes = RF_QK / 2;
     struct raw {
         rf_u32x4 q;
     };
@@ -258,7 +254,7 @@ struct rf_q4_0_format {
 };
 
 struct rf_q8_0_format {
-    static constexpr int block_bytes = 32;
+    static constexpr int block_bytes = RF_QK;
     struct raw {
         rf_u32x4 lo, hi;
     };

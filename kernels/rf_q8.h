@@ -17,15 +17,13 @@
 #define RF_Q8_H
 
 #include "rf_portability.h"
+#include "rf_constants.h"
 
-#define RF_QK 32         // elements per quant block
-#define RF_Q8_STAGE 2    // blocks per stage of the canonical sum
-
-// Threads that share one row's sum of squares: each adds the squares of float4 pieces
-// i, i + RF_Q8_NORM_THREADS, ... (rf_sum_squares4 each), then a warp butterfly, then
-// the warps' sums in warp order. The order depends on this count, so every kernel
-// that normalizes uses it.
-#define RF_Q8_NORM_THREADS 256
+// RF_QK (elements per quant block) and RF_Q8_STAGE (blocks per stage of the canonical
+// sum) come from rf_constants.h, as does RF_Q8_NORM_THREADS: the threads that share one
+// row's sum of squares. Each adds the squares of float4 pieces i, i + RF_Q8_NORM_THREADS,
+// ... (rf_sum_squares4 each), then a warp butterfly, then the warps' sums in warp order.
+// The order depends on this count, so every kernel that normalizes uses it.
 
 RF_DEVICE_INLINE float rf_sum_squares4(float a, float b, float c, float d) {
     return a * a + b * b + c * c + d * d;

@@ -6,9 +6,8 @@
 //
 // Launch: grid (n_tokens), block RF_ROPE_THREADS; threads stride over the token's pairs.
 #include "rf_portability.h"
+#include "rf_constants.h"  // RF_ROPE_THREADS
 #include "rf_rope.h"
-
-#define RF_ROPE_THREADS 256
 
 RF_KERNEL_BOUNDS(RF_ROPE_THREADS)
 void rf_rope_kv_append(const float* RF_RESTRICT qkv, float* RF_RESTRICT q_out,

@@ -1,5 +1,7 @@
 // Sampling on the device, advancing the step state so that steady decode needs no
-// host-to-device copy. Two kernels:
+// host-to-device copy. Three kernels: rf_argmax_advance (below) serves greedy rows alone;
+// rf_sample_candidates and rf_sample_advance (further below) follow it when a row draws
+// at random or reports alternatives.
 //
 // rf_argmax_advance: the argmax of every logits row and its log-softmax statistics.
 //   logits     fp32 [n_rows, n_vocab]
@@ -16,26 +18,13 @@
 //   of a row's vocabulary (its maximum, the maximum's index and the sum of exp(x - max)
 //   over the slice); the last block of the row to finish combines the slices in order.
 //   Launch: grid (n_slices, n_rows), block RF_ARGMAX_THREADS.
-//
-// rf_sample_advance: after rf_argmax_advance (advance = 0), each row's token under its
-//   sampling parameters (rocforge_rt/step/sampling.py states the rules; this is the
-//   same computation): greedy rows keep the argmax; other rows rank tokens by
-//   (logit desc, id asc), keep the top_k best, weigh each W = floor(expf((x - max) / T)
-//   * 2^40) as an integer, keep the shortest ranked prefix reaching ceil(top_p * total)
-//   and draw from it in id order with 64 hash bits of (seed, position). Rows asking for
-//   log-probabilities get their best `logprobs` alternatives, best first. Then it
-//   advances the step state as rf_argmax_advance would have.
-//   params     rf_sample_params [n_rows]; stats as above
-//   first_row  the batch row of logits row 0: row r's drawn token sits at context
-//              position positions[first_row + r] + 1
-//   top_tokens int32 [n_rows, RF_SAMPLE_MAX_TOP], top_logprobs fp32 likewise
-//   Thresholds over the ranking come from a radix select on 64-bit rank keys (8 bits
-//   a level, from the top), whose per-bin counts and weights are integers, so the
-//   result does not depend on the order threads add them.
-//   Launch: grid (n_rows), block RF_SAMPLE_THREADS.
 #include "rf_portability.h"
+#include "rf_constants.h"
 
-#define RF_ARGMAX_THREADS 256
+// From rf_constants.h: RF_ARGMAX_THREADS; RF_SAMPLE_THREADS, RF_SAMPLE_SLICE,
+// RF_SAMPLE_CANDIDATES, RF_SAMPLE_MAX_TOP (alternatives a row may report) and
+// RF_SAMPLE_WEIGHT_SCALE (the integer weights' scale, 2^40), the last two the sampling
+// rules' own (rocforge_rt/step/sampling.py MAX_LOGPROBS, WEIGHT_SCALE).
 #define RF_ARGMAX_WARPS (RF_ARGMAX_THREADS / RF_WARP_SIZE)
 
 struct rf_argmax_part {
@@ -152,16 +141,17 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 //   tokens of the row are then among the slices' candidates.
 //   cand    uint64 [n_rows, n_slices, RF_SAMPLE_CANDIDATES]; slice_sums uint64 [n_rows, n_slices]
 //   Launch: grid (n_slices, n_rows), block RF_SAMPLE_THREADS; n_slices = ceil(n_vocab /
-//   RF_SAMPLE_SLICE) <= RF_SAMPLE_MAX_SLICES.
+//   RF_SAMPLE_SLICE) <= RF_SAMPLE_SLICE / RF_SAMPLE_CANDIDATES (the merged candidates fit
+//   one slice's keys).
 //
 // rf_sample_advance: each row's token under its sampling parameters
 //   (rocforge_rt/step/sampling.py states the rules; this is the same computation):
 //   greedy rows keep the argmax; other rows rank tokens by (logit desc, id asc), keep the
-//   top_k best, weigh each W = floor(expf((x - max) / T) * 2^40) as an integer, keep the
-//   shortest ranked prefix reaching ceil(top_p * total) and draw from it in id order with
-//   64 hash bits of (seed, position). Rows asking for log-probabilities get their best
-//   `logprobs` alternatives, best first. Then it advances the step state as
-//   rf_argmax_advance would have.
+//   top_k best, weigh each W = floor(expf((x - max) / T) * RF_SAMPLE_WEIGHT_SCALE) as an
+//   integer, keep the shortest ranked prefix reaching ceil(top_p * total) and draw from it
+//   in id order with 64 hash bits of (seed, position). Rows asking for log-probabilities
+//   get their best `logprobs` alternatives, best first. Then it advances the step state
+//   as rf_argmax_advance would have.
 //   The merged candidates serve the common cases: the alternatives, a top_k up to
 //   RF_SAMPLE_CANDIDATES, a nucleus inside the best RF_SAMPLE_CANDIDATES, and (no cut at
 //   all) a draw found through the slice totals and one slice. Anything else takes the
@@ -175,17 +165,11 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 //   n_slices   as rf_sample_candidates was launched (0: it was not; general path only)
 //   top_tokens int32 [n_rows, RF_SAMPLE_MAX_TOP], top_logprobs fp32 likewise
 //   Launch: grid (n_rows), block RF_SAMPLE_THREADS.
-#define RF_SAMPLE_THREADS 1024
 #define RF_SAMPLE_WARPS (RF_SAMPLE_THREADS / RF_WARP_SIZE)
-#define RF_SAMPLE_MAX_TOP 20
-#define RF_SAMPLE_SLICE 4096
-#define RF_SAMPLE_CANDIDATES 64
-#define RF_SAMPLE_MAX_SLICES (RF_SAMPLE_SLICE / RF_SAMPLE_CANDIDATES)  // merged keys fit a slice
 #define RF_SAMPLE_FIRST_BITS 11
 #define RF_SAMPLE_BITS 8
 #define RF_SAMPLE_BINS (1 << RF_SAMPLE_FIRST_BITS)
 #define RF_SAMPLE_LIST 1024
-#define RF_SAMPLE_WEIGHT_SCALE 1099511627776.0f  // 2^40
 
 struct rf_sample_params {  // rocforge_rt/step/sampling.py ROW_PARAMS_DTYPE
     float temperature;     // 0: greedy

@@ -6,7 +6,7 @@ synthetic models (8B: QKV, O + residual, gate|up + SwiGLU, down + residual, LM
 head; likewise for the 1B and SmolLM2-135M shapes) by graph replay of many
 launches that rotate over enough weight copies to overflow the L2 cache, as a
 decode step streams a new matrix at every launch. Each shape runs:
-  - `auto`: the backend's own choice (GpuBackend._gemv), as decode uses it;
+  - `auto`: the backend's own choice (GpuBackend.matmul.gemv), as decode uses it;
   - every kernel variant (output rows per warp) x grid cap (blocks per SM);
   - with --baseline SRC, the kernel `auto` chose from an older gemv.hip of the same
     kernel interface, with the same launch (an A/B of kernel sources).
@@ -33,19 +33,25 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from rocforge_rt.backends.cpu import quantize_q8, rms_normalize
-from rocforge_rt.backends.gpu import backend as gpu_ops
-from rocforge_rt.backends.gpu.backend import (
+from rocforge_rt.backends.gpu.backend import GpuBackend
+from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
+from rocforge_rt.backends.gpu.kernel_constants import (
     EPILOGUE_RESIDUAL,
     EPILOGUE_STORE,
     EPILOGUE_SWIGLU,
-    Activation,
-    DeviceMatrix,
-    GpuBackend,
-    repack_rows,
+    GEMV_MAX_ROWS,
+    GEMV_THREADS,
 )
-from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
 from rocforge_rt.backends.gpu.launch import LaunchHandle
+from rocforge_rt.backends.gpu.matmul import (
+    GEMV_MULTI_ROW_NO,
+    GEMV_ROWS_PER_WARP,
+    DeviceMatrix,
+    gemv_shared_bytes,
+    repack_rows,
+)
+from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.model.synthetic import random_blocks
@@ -111,8 +117,10 @@ class Bench:
         self.driver = driver
         self.backend = backend
         self.stream = backend.stream
-        self.functions = dict(backend._functions)
+        self.functions = dict(backend.launcher.functions)
+        self.signatures = dict(backend.launcher.signatures)
         self.baseline = None
+        self.baseline_signatures: dict[str, tuple[str, ...]] = {}
         if baseline is not None:
             self.baseline = self._compile_baseline(baseline, backend)
 
@@ -126,6 +134,7 @@ class Bench:
             library = KernelLibrary(self.compiler, src_dir, Path(tmp) / "cache")
             code = library.load("gemv.hip")
         module = self.driver.load_module(code.code)
+        self.baseline_signatures = code.signatures
         return {name: module.function(name) for name in code.kernels}
 
     compiler: NvrtcCompiler
@@ -137,7 +146,7 @@ class Bench:
             function,
             name=name,
             grid=(grid, 1, 1),
-            block=(gpu_ops.GEMV_THREADS, 1, 1),
+            block=(GEMV_THREADS, 1, 1),
             shared_bytes=shared,
             stream=self.stream,
             arg_types=arg_types,
@@ -173,7 +182,7 @@ class Bench:
 def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.Generator) -> list:
     driver, backend = bench.driver, bench.backend
     info = driver.info
-    warps = gpu_ops.GEMV_THREADS // info.warp_size
+    warps = GEMV_THREADS // info.warp_size
     sms = info.multiprocessors
     tensor = WeightTensor(
         "w", shape.qtype, (shape.weight_rows, shape.k),
@@ -233,38 +242,43 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         print(f"{shape.name:>14} r{rows} {label:>22} grid {grid:6d}: {us:8.2f} us "
               f"{tbs:5.2f} TB/s  err {err:.1e}", flush=True)  # fmt: skip
 
-    # The backend's own choice, through GpuBackend._gemv (launch handles and all).
+    # The backend's own choice, through GpuBackend.matmul.gemv (launch handles and all).
     x_act = Activation(x_buf, rows, shape.k)
 
     def auto(i: int) -> None:
-        backend._gemv(
+        backend.matmul.gemv(
             matrices[i], x_act, shape.n, out_buf.ptr,
             gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
         )  # fmt: skip
 
     auto(0)
-    chosen = list(backend._handles.values())[-1]
+    chosen = list(backend.launcher.handles.values())[-1]
     record(f"auto {chosen.name.removeprefix('rf_gemv_')}", auto, chosen.grid[0])
 
     args_of = lambda m: (  # noqa: E731
         m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, gain_ptr, EPS,
         shape.epilogue, res_ptr, out_buf.ptr,
     )  # fmt: skip
-    shared = gpu_ops.gemv_shared_bytes(shape.k, rows, info.warp_size)
+    shared = gemv_shared_bytes(shape.k, rows, info.warp_size)
     suffix = "_swiglu" if shape.epilogue == EPILOGUE_SWIGLU else ""
     if rows == 1:
         variants = [(no, f"rf_gemv_{fmt}_b1_n{no}{suffix}")
-                    for no in gpu_ops.GEMV_ROWS_PER_WARP[(fmt, suffix)]]  # fmt: skip
+                    for no in GEMV_ROWS_PER_WARP[(fmt, suffix)]]  # fmt: skip
     else:
-        no = gpu_ops.GEMV_MULTI_ROW_NO[suffix]
-        variants = [(no, f"rf_gemv_{fmt}_b{gpu_ops.GEMV_MAX_ROWS}_n{no}{suffix}")]
+        no = GEMV_MULTI_ROW_NO[suffix]
+        variants = [(no, f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{no}{suffix}")]
     for no, kernel in variants:
         blocks = math.ceil(math.ceil(shape.n / no) / warps)
         grids = sorted({min(blocks, c * sms) for c in (1, 2, 4, 8)} | {blocks})
         for grid in grids:
             handles = [
                 bench.handle(
-                    bench.functions[kernel], kernel, grid, shared, args_of(m), gpu_ops.GEMV_ARGS
+                    bench.functions[kernel],
+                    kernel,
+                    grid,
+                    shared,
+                    args_of(m),
+                    bench.signatures[kernel],
                 )  # fmt: skip
                 for m in matrices
             ]
@@ -278,7 +292,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
                 chosen.grid[0],
                 shared,
                 args_of(m),
-                gpu_ops.GEMV_ARGS,
+                bench.baseline_signatures[chosen.name],
             )  # fmt: skip
             for m in matrices
         ]

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rocforge_rt.backends.gpu.backend import GATE_ARGS
-from rocforge_rt.backends.gpu.launch import LaunchHandle, set_arg_cache_enabled
+from rocforge_rt.backends.gpu.launch import set_arg_cache_enabled
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.workloads import decode_tokens_per_s
 
@@ -94,12 +93,10 @@ def launch_cost_ns(backend: Any, launches: int = 30_000, per_step: int = 180) ->
     Steps of `per_step` launches, as a decode step makes; the tracker's per-step
     folding is included. Off and on alternate in blocks, and each takes its median.
     """
-    flag = backend._gate.view(np.uint32, 1)
-    flag[0] = 1  # open: rf_hold returns at once
-    handle = LaunchHandle(backend.driver, backend._functions["rf_hold"], name="rf_hold",
-                          grid=(1, 1, 1), block=(1, 1, 1), stream=backend.stream,
-                          arg_types=GATE_ARGS, tracker=backend.launch_tracker)  # fmt: skip
-    handle.set_args(backend._gate.ptr, 1, 1)
+    gate = backend.workspace.gate
+    gate.view(np.uint32, 1)[0] = 1  # open: rf_hold returns at once
+    handle = backend.launcher.new_handle("rf_hold", (1, 1, 1), (1, 1, 1))
+    handle.set_args(gate.ptr, 1, 1)
     tracker = backend.launch_tracker
     samples: dict[bool, list[float]] = {False: [], True: []}
     for block in range(2 * launches // per_step):

@@ -81,8 +81,8 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
     keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
     values = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
     cpu.k_cache[0][:], cpu.v_cache[0][:] = keys, values
-    gpu.driver.copy_htod(gpu.k_cache[0], keys)
-    gpu.driver.copy_htod(gpu.v_cache[0], values)
+    gpu.driver.copy_htod(gpu.workspace.k_cache[0], keys)
+    gpu.driver.copy_htod(gpu.workspace.v_cache[0], values)
     positions = [context - 1, max(0, context // 2 - 1), 0]
     batch = StepBatch.decode([1, 2, 3], positions, [1, 0, 1])
     q = rng.standard_normal((3, n_head * head_dim)).astype(np.float32)
@@ -90,7 +90,7 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
     got = gpu.to_host(gpu.attention(gpu.load_activation(q), 0, batch))
     expected = cpu.attention(q.reshape(3, n_head, head_dim), 0, batch)
     assert rel_error(got, expected) <= 1e-3
-    assert gpu.attn_segments > 1
+    assert gpu.workspace.attn_segments > 1
 
 
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])
@@ -106,8 +106,8 @@ def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_
     keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
     values = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
     cpu.k_cache[0][:], cpu.v_cache[0][:] = keys, values
-    gpu.driver.copy_htod(gpu.k_cache[0], keys)
-    gpu.driver.copy_htod(gpu.v_cache[0], values)
+    gpu.driver.copy_htod(gpu.workspace.k_cache[0], keys)
+    gpu.driver.copy_htod(gpu.workspace.v_cache[0], values)
     q = rng.standard_normal((n, n_head * head_dim)).astype(np.float32)
     chunk = StepBatch.prefill(list(range(n)), start, 1, "none")
     gpu.write_step_state(chunk)

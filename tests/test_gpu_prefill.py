@@ -17,7 +17,8 @@ from gpu_checks import hparams, rel_error, weight
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.backend import GEMV_MAX_ROWS, Activation
+from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS
+from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.synthetic import write_synthetic_model
@@ -54,7 +55,7 @@ def cpu():
 def upload(gpu, values: np.ndarray) -> Activation:
     """Rows in a buffer of their own (the backend's own buffers are the ops' outputs)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
-    return Activation(gpu._upload(values), values.shape[0], values.shape[1])
+    return Activation(gpu.workspace.upload(values), values.shape[0], values.shape[1])
 
 
 def poison(gpu, buf) -> None:
@@ -70,7 +71,7 @@ def test_gemm_with_fused_rmsnorm_matches_the_cpu(gpu, cpu, k, n):
     matrix, gain, dense = gpu.linear(w), gpu.vector(gain_tensor), cpu.linear(w)
     for rows in row_counts(k, n):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        poison(gpu, gpu.qkv)
+        poison(gpu, gpu.workspace.qkv)
         got = gpu.to_host(gpu.norm_matmul(gpu.load_activation(x), gain, matrix))
         normed = rms_normalize(x, gain_tensor.data, 1e-5)
         assert rel_error(got, quantize_q8(normed) @ dense.T) <= 1e-3, rows
@@ -104,7 +105,7 @@ def test_gemm_swiglu_epilogue_matches_the_cpu(gpu, cpu, k, n_ff):
     dense = cpu.linear(gate, up)
     for rows in row_counts(k, n_ff):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        poison(gpu, gpu.h)
+        poison(gpu, gpu.workspace.h)
         got = gpu.to_host(gpu.norm_gate_up_swiglu(gpu.load_activation(x), gain, matrix))
         normed = rms_normalize(x, gain_tensor.data, 1e-5)
         for activations, tolerance in ((quantize_q8(normed), 1e-3), (normed, 2e-2)):
@@ -169,13 +170,13 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
     x = rng.standard_normal((25, hp.n_embd)).astype(np.float32)
 
     def run(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        for buf in (gpu.k_cache[0], gpu.v_cache[0]):
+        for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
             gpu.driver.memset(buf, 0, gpu.stream)
         batch = StepBatch.prefill(list(range(rows)), 3, 0)  # positions 3 ..
         gpu.write_step_state(batch)
         q = gpu.to_host(gpu.norm_qkv_rope(gpu.load_activation(x[:rows]), gain, wqkv, 0, batch))
         caches = []
-        for buf in (gpu.k_cache[0], gpu.v_cache[0]):
+        for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
             host = np.empty((64, hp.kv_dim_k), dtype=np.float16)
             gpu.driver.copy_dtoh(host, buf)
             caches.append(host[3 : 3 + rows])
@@ -248,7 +249,7 @@ def test_resident_weights_take_at_most_1_1x_the_gguf_tensor_bytes(synthetic_mode
     bytes (scales moved apart), norms as they are, and a tied LM head shares the table."""
     from dataclasses import fields
 
-    from rocforge_rt.backends.gpu.backend import DeviceMatrix
+    from rocforge_rt.backends.gpu.matmul import DeviceMatrix
 
     engine = Engine.load(synthetic_model, backend="cuda", n_ctx=64)
     weights = engine.weights

@@ -12,7 +12,7 @@ from gpu_checks import hparams
 
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.backend import Activation
+from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams, sample_row
@@ -53,14 +53,14 @@ def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
                          max_tokens=ROWS, mode="deferred")  # fmt: skip
     rng = np.random.default_rng(n_vocab + len(kind))
     logits = sampler_logits(rng, n_vocab, kind)
-    gpu.driver.copy_htod(gpu.logits, logits)
+    gpu.driver.copy_htod(gpu.workspace.logits, logits)
     mismatches = 0
     for trial in range(12):
         samplers = [Sampler(p) for p in PARAMS]
         positions = rng.integers(0, 60, ROWS).tolist()
         batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)),
                                  RowSampling.of(samplers))  # fmt: skip
-        out = gpu.run_step(batch, lambda: Activation(gpu.logits, ROWS, n_vocab), False)
+        out = gpu.run_step(batch, lambda: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
         for row, sampler in enumerate(samplers):
             want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
             mismatches += int(out.tokens[row]) != want.token
@@ -75,14 +75,14 @@ def test_the_device_sampler_advances_the_step_state():
     n_vocab = 4096
     gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=2, n_ctx=64, max_tokens=2)
     logits = np.random.default_rng(1).standard_normal((2, n_vocab)).astype(np.float32)
-    gpu.driver.copy_htod(gpu.logits, logits)
+    gpu.driver.copy_htod(gpu.workspace.logits, logits)
     sampling = RowSampling.of([Sampler(SamplingParams(temperature=1.0, seed=4)),
                                Sampler(SamplingParams())])  # fmt: skip
     batch = StepBatch.decode([7, 8], [10, 20], [0, 1], sampling)
-    out = gpu.run_step(batch, lambda: Activation(gpu.logits, 2, n_vocab), False)
+    out = gpu.run_step(batch, lambda: Activation(gpu.workspace.logits, 2, n_vocab), False)
     state = np.empty(4, dtype=np.int32)
-    gpu.driver.copy_dtoh(state[:2], gpu.step_tokens, nbytes=8)
-    gpu.driver.copy_dtoh(state[2:], gpu.step_positions, nbytes=8)
+    gpu.driver.copy_dtoh(state[:2], gpu.workspace.step_tokens, nbytes=8)
+    gpu.driver.copy_dtoh(state[2:], gpu.workspace.step_positions, nbytes=8)
     assert state.tolist() == [*out.tokens.tolist(), 11, 21]
     assert out.tokens[1] == int(np.argmax(logits[1]))
 

@@ -4,7 +4,12 @@ One source tree builds for every vendor: a `Compiler` (NVRTC or hiprtc, from the
 backends) turns a source into a code object (an ELF: CUBIN or AMD HSACO). Code
 objects are cached on disk under a sha256 of everything that shapes them (source,
 header contents, vendor, arch, defines, compiler version), so a warm start
-compiles nothing. ``RF_WARP_SIZE`` is always defined from the compiler's target.
+compiles nothing. Every compile gets the shared constants of kernel_constants.py
+(`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the compiler's target as -D defines.
+
+Each kernel's parameter list is read from its C declaration (`kernel_signatures`)
+and mapped to the launch argument codes of launch.py (`C_ARG_TYPES`), so a launch
+packs its arguments as the kernel declares them.
 """
 
 from __future__ import annotations
@@ -20,11 +25,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from rocforge_rt.backends.gpu.kernel_constants import KERNEL_DEFINES
+
 _IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KERNEL_RE = re.compile(
     r"\bRF_KERNEL(?:_BOUNDS(?:_ONE)?\s*\([^)]*\))?\s+void\s+([A-Za-z_]\w*)\s*\("
 )
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+# An object-like macro (no parameter list) on one line, continuations joined.
+_OBJECT_MACRO_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(?![\w(])(.*)$", re.M)
+_WORD_RE = re.compile(r"[A-Za-z_]\w*")
+_TOKEN_RE = re.compile(r"[A-Za-z_]\w*|\[[^\]]*\]|\S")
+# Words of a declaration that do not change the argument's type as a launch packs it.
+_QUALIFIERS = frozenset({"const", "volatile", "__restrict__", "__restrict", "restrict", "struct"})
+# Scalar C types of kernel parameters -> launch argument codes (launch.py ARG_TYPES);
+# any pointer is "ptr".
+C_ARG_TYPES = {
+    "int": "i32",
+    "signed int": "i32",
+    "int32_t": "i32",
+    "unsigned": "u32",
+    "unsigned int": "u32",
+    "uint32_t": "u32",
+    "float": "f32",
+    "int64_t": "i64",
+    "long long": "i64",
+    "long long int": "i64",
+}
 _CACHE_FORMAT = 1  # bump when the key derivation or the file layout changes
 _ELF_MAGIC = b"\x7fELF"
 
@@ -56,6 +83,7 @@ class CodeObject:
     key: str  # sha256 cache key (hex)
     code: bytes  # ELF: CUBIN (cuda) or code object (hip)
     kernels: tuple[str, ...]  # kernel names the source declares, in source order
+    signatures: dict[str, tuple[str, ...]]  # each kernel's launch argument types
 
 
 def kernels_dir() -> Path:
@@ -73,6 +101,113 @@ def default_cache_dir() -> Path:
 def kernel_names(source: str) -> list[str]:
     """Names of the kernels a source declares with RF_KERNEL / RF_KERNEL_BOUNDS(...)."""
     return _KERNEL_RE.findall(_COMMENT_RE.sub(" ", source))
+
+
+def _object_macros(*texts: str) -> dict[str, str]:
+    """The object-like macros the texts #define (comments dropped), later texts winning."""
+    macros: dict[str, str] = {}
+    for text in texts:
+        joined = _COMMENT_RE.sub(" ", text).replace("\\\n", " ")
+        macros.update((name, body.strip()) for name, body in _OBJECT_MACRO_RE.findall(joined))
+    return macros
+
+
+def _expand(text: str, macros: Mapping[str, str]) -> str:
+    """`text` with object-like macros expanded until none is left (as the preprocessor)."""
+    for _ in range(32):
+        expanded = _WORD_RE.sub(lambda m: f" {macros[m[0]]} " if m[0] in macros else m[0], text)
+        if expanded == text:
+            return text
+        text = expanded
+    raise ValueError(f"macro expansion does not end: {text.strip()!r}")
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at each `separator` outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "([{<":
+            depth += 1
+        elif char in ")]}>":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _declaration(text: str) -> tuple[str, str, bool]:
+    """(C type without qualifiers, name or "", whether a pointer) of one declaration."""
+    tokens = [t for t in _TOKEN_RE.findall(text) if t not in _QUALIFIERS]
+    words = [t for t in tokens if _WORD_RE.fullmatch(t)]
+    symbols = [t for t in tokens if not _WORD_RE.fullmatch(t)]
+    if not words or any(t != "*" and not t.startswith("[") for t in symbols):
+        raise ValueError(f"cannot read the declaration {text.strip()!r}")
+    name = words[-1] if len(words) > 1 else ""
+    return " ".join(words[:-1] if name else words), name, bool(symbols)
+
+
+def _parameter_list(code: str, start: int) -> str:
+    """The text from `start` (just past an opening parenthesis) to the matching one."""
+    depth = 1
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            return code[start:i]
+    raise ValueError("unbalanced parentheses in a kernel declaration")
+
+
+def kernel_signatures(
+    source: str, headers: Mapping[str, str] | None = None
+) -> dict[str, tuple[str, ...]]:
+    """Each kernel's launch argument types (launch.py ARG_TYPES codes), in source order.
+
+    The parameter lists are read from the RF_KERNEL declarations after expanding the
+    object-like macros the headers and the source define (e.g. RF_GEMV_PARAMS,
+    RF_RESTRICT); qualifiers are dropped, any pointer is "ptr" and scalars map through
+    `C_ARG_TYPES`. A type with no launch code raises ValueError naming the kernel and
+    the parameter.
+    """
+    macros = _object_macros(*(headers or {}).values(), source)
+    code = _COMMENT_RE.sub(" ", source)
+    signatures: dict[str, tuple[str, ...]] = {}
+    for match in _KERNEL_RE.finditer(code):
+        kernel = match[1]
+        params = _expand(_parameter_list(code, match.end()), macros).strip()
+        types = []
+        for index, param in enumerate(_split_top_level(params, ",") if params != "void" else ()):
+            try:
+                c_type, name, pointer = _declaration(param)
+            except ValueError as exc:
+                raise ValueError(f"kernel {kernel}, parameter {index}: {exc}") from None
+            if not pointer and c_type not in C_ARG_TYPES:
+                raise ValueError(
+                    f"kernel {kernel}, parameter {index} ({name or 'unnamed'}): C type "
+                    f"{c_type!r} has no launch argument type; known: {', '.join(C_ARG_TYPES)} "
+                    "and pointers"
+                )
+            types.append("ptr" if pointer else C_ARG_TYPES[c_type])
+        signatures[kernel] = tuple(types)
+    return signatures
+
+
+def struct_fields(source: str, name: str) -> tuple[tuple[str, str], ...]:
+    """(C type, field name) of each field of `struct <name> {...}` in a source, in order.
+
+    For the records the host reads or writes itself; one scalar a declaration.
+    """
+    code = _COMMENT_RE.sub(" ", source)
+    found = re.search(rf"\bstruct\s+(?:alignas\s*\([^)]*\)\s*)?{name}\s*\{{([^{{}}]*)\}}", code)
+    if found is None:
+        raise ValueError(f"struct {name} not found")
+    fields = []
+    for declaration in filter(str.strip, found[1].split(";")):
+        c_type, field, pointer = _declaration(declaration)
+        if pointer or not field:
+            raise ValueError(f"struct {name}: cannot read the field {declaration.strip()!r}")
+        fields.append((c_type, field))
+    return tuple(fields)
 
 
 def elf_function_symbols(code: bytes) -> set[str]:
@@ -149,7 +284,8 @@ class KernelLibrary:
     def load(self, source_name: str, defines: Mapping[str, str | int] | None = None) -> CodeObject:
         """The code object of one source (e.g. 'embedding.hip'), compiled or from the cache.
 
-        `defines` are extra -D macros; RF_WARP_SIZE comes from the compiler.
+        `defines` are extra -D macros; the shared constants (`KERNEL_DEFINES`) and
+        RF_WARP_SIZE (from the compiler) are always defined and cannot be changed here.
         Raises `KernelCompileError` when the source does not compile.
         """
         source = (self.source_dir / source_name).read_text()
@@ -165,13 +301,15 @@ class KernelLibrary:
             self._write_cached(path, code)
         else:
             self.cache_hits += 1
+        signatures = kernel_signatures(source, headers)
         return CodeObject(
             source=source_name,
             vendor=compiler.vendor,
             arch=compiler.arch,
             key=key,
             code=code,
-            kernels=tuple(kernel_names(source)),
+            kernels=tuple(signatures),
+            signatures=signatures,
         )
 
     def load_all(self, defines: Mapping[str, str | int] | None = None) -> dict[str, CodeObject]:
@@ -180,6 +318,12 @@ class KernelLibrary:
 
     def _defines(self, defines: Mapping[str, str | int] | None) -> dict[str, str]:
         normalized = _normalize_defines(defines or {})
+        for name, value in _normalize_defines(KERNEL_DEFINES).items():
+            if normalized.setdefault(name, value) != value:
+                raise ValueError(
+                    f"{name} comes from kernel_constants.py ({value}), "
+                    f"not from the caller ({normalized[name]})"
+                )
         warp_size = str(self.compiler.warp_size)
         if normalized.setdefault("RF_WARP_SIZE", warp_size) != warp_size:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Launch handles: one kernel call site with its packed arguments cached (seed 003).
+"""Launch handles: one kernel call site with its packed arguments cached.
 
 A `LaunchHandle` owns, for its whole life, the argument bytes of its kernel in
 C layout (each argument aligned to its size, padding and tail zeroed) and the
@@ -10,8 +10,8 @@ miss (copied in, `version` bumped). Values equal to the last ones are a hit
 without packing, unless an f32 argument was zero (+0.0 and -0.0 compare equal
 but differ in bytes).
 
-The driver copies the arguments at launch and at capture, so the seed's
-hazards take this form, each enforced here or in `StepGraph`:
+The driver copies the arguments at launch and at capture, so caching them is
+safe only under these rules, each enforced here or in `StepGraph`:
 - a handle belongs to one stream: launching it on another raises;
 - two handles never share argument storage, and a changed argument repacks
   (and invalidates) only its own handle;
@@ -21,6 +21,10 @@ hazards take this form, each enforced here or in `StepGraph`:
 
 `set_arg_cache_enabled(False)` turns the comparison off for A/B measurement:
 every `set_args` then repacks and counts as a change.
+
+The GPU backend's launcher types each handle by its kernel's C declaration
+(`CodeObject.signatures`, read by the kernel library); values that do not fit those
+types, or too few or too many of them, are refused naming the kernel.
 """
 
 from __future__ import annotations
@@ -175,8 +179,11 @@ class LaunchHandle:
         try:
             self._struct.pack_into(scratch, 0, *values)
         except struct.error as exc:
+            types = self.layout.types
+            count = len(values) != len(types)
+            reason = f"it takes {len(types)} arguments, got {len(values)}" if count else exc
             raise ValueError(
-                f"{self.name}: arguments {values} do not fit {self.layout.types}: {exc}"
+                f"{self.name}: arguments {values} do not fit {types}: {reason}"
             ) from None
         zero_f32 = any(values[i] == 0 for i in self._f32_slots)
         self._last_values = None if zero_f32 else values

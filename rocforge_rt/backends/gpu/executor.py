@@ -1,0 +1,314 @@
+"""One step on the device: step state in, forward and sampler issued in the step mode, results out.
+
+Modes (bit-identical results): `per-kernel-sync` (a sync after every launch, for A/B),
+`deferred` (the step issued whole, one sync at the readback) and `graph` (each decode
+batch shape captured once into a graph and replayed as one launch). Per-step values
+(tokens, positions, KV slots, sampling rows) live in the workspace's step-state
+buffers, which the kernels read through pointers, so a launch handle's arguments are
+the same bytes from one decode step to the next; the sampler advances that state on
+the device, so steady decode copies nothing to it.
+"""
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rocforge_rt.backends.gpu.graph import StepGraph
+from rocforge_rt.backends.gpu.kernel_constants import SAMPLE_MAX_TOP
+from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
+from rocforge_rt.backends.gpu.launcher import Launcher
+from rocforge_rt.backends.gpu.workspace import Activation, Workspace
+from rocforge_rt.errors import BackendError
+from rocforge_rt.profiling.kernel_timer import KernelTimer
+from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import StepOutput
+from rocforge_rt.step.sampling import RowSampling
+
+STEP_MODES = ("per-kernel-sync", "deferred", "graph")
+GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in STEP_MODES:
+        raise BackendError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
+
+
+class StepExecutor:
+    """Runs steps in a mode: step state, issue or graph replay, the gate, readback, stats."""
+
+    def __init__(
+        self,
+        driver: Any,
+        stream: Any,
+        launcher: Launcher,
+        workspace: Workspace,
+        sample: Callable[[Activation, RowSampling, int], None],
+        *,
+        n_vocab: int,
+        max_tokens: int,
+        mode: str,
+        overlap: bool,
+        launch_tracker: LaunchOverheadTracker,
+        kernel_timer: KernelTimer,
+    ) -> None:
+        self.driver = driver
+        self.stream = stream
+        self.launcher = launcher
+        self.ws = workspace
+        self._sample = sample
+        self.n_vocab = n_vocab
+        self.max_tokens = max_tokens
+        self.mode = mode
+        self.overlap = overlap
+        self.launch_tracker = launch_tracker
+        self.kernel_timer = kernel_timer
+        # Decode graphs by (batch size, whether a row samples beyond the argmax).
+        self._graphs: dict[tuple[int, bool], StepGraph] = {}
+        self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
+        self.steps = 0
+        self.host_ns = 0  # host time issuing steps, up to the final synchronization
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        check_mode(mode)
+        self._mode = mode
+        self.launcher.sync_each = mode == "per-kernel-sync"
+
+    # --- step state ----------------------------------------------------------------------
+    def write_step_state(self, batch: StepBatch) -> None:
+        """Make the device step state hold this batch, copying only when it does not already.
+
+        Steady greedy decode needs no copy: the previous step's argmax kernel already
+        wrote each row's next token and advanced its position. The copy is issued on
+        the step's stream, so it lands before the launches (or graph) that read it.
+        """
+        n = batch.n_tokens
+        if n > self.max_tokens:
+            raise BackendError(f"{n} tokens in one step; this backend takes {self.max_tokens}")
+        wanted = self._state_bytes(batch)
+        if wanted == self._device_state:
+            return
+        # Every step ends with a synchronization, so the staging areas are free to reuse.
+        ws = self.ws
+        for staging, buf, value in zip(ws.staging, ws.step_state, wanted, strict=True):
+            if not value:
+                continue
+            staging.view(np.uint8, (buf.nbytes,))[: len(value)] = np.frombuffer(value, np.uint8)
+            self.driver.copy_htod(buf, staging, self.stream, nbytes=len(value))
+        self._device_state = wanted
+
+    @staticmethod
+    def _state_bytes(
+        batch: StepBatch, tokens: np.ndarray | None = None, advance: int = 0
+    ) -> tuple[bytes, ...]:
+        """The step-state bytes of `batch` (tokens, positions, slots, sampling rows);
+        with `tokens` and `advance`, those the next decode step of the same rows needs."""
+        values = (
+            batch.tokens if tokens is None else tokens,
+            batch.positions + advance,
+            batch.slots,
+        )
+        return (*(np.asarray(v, dtype=np.int32).tobytes() for v in values),
+                batch.sampling.params.tobytes())  # fmt: skip
+
+    # --- steps ---------------------------------------------------------------------------
+    def run_step(
+        self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
+    ) -> StepOutput:
+        """One step in this mode; the only synchronization is the final readback.
+
+        A step the kernel timer samples is issued eagerly behind a closed gate
+        (kernels/gate.hip, except in per-kernel-sync mode) and the gate opened once all
+        of it is queued, so its kernels run back to back and their events time them.
+        """
+        issue_start = time.perf_counter_ns()
+        tracker = self.launch_tracker if self.launch_tracker.enabled else None
+        if tracker is not None:
+            tracker.begin_step(issue_start)
+        syncs_before = self.driver.counters.syncs
+        timed = self.kernel_timer.start_step(self.steps, issue_start)
+        gated = timed and self._mode != "per-kernel-sync"
+        rows = len(batch.logit_rows)
+        decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
+        top = int(batch.sampling.params["logprobs"].max(initial=0))
+        replay_timed = False
+        launcher = self.launcher
+        launcher.overlap_step = self.overlap and decode_shape
+        if gated:
+            self._close_gate()
+        try:
+            self.write_step_state(batch)
+            if self._mode == "graph" and decode_shape and not timed:
+                replay_timed = self._replay(batch, run_forward, tracker)
+            else:
+                launcher.timer = self.kernel_timer if timed else None
+                try:
+                    self._issue(batch, run_forward)
+                finally:
+                    launcher.timer = None
+            self._queue_readback(rows, top > 0, want_logits)
+        finally:
+            launcher.overlap_step = False
+            if gated:
+                self.ws.gate.view(np.uint32, 1)[0] = 1  # open: the queued step runs
+                self.kernel_timer.released(time.perf_counter_ns())
+        self.host_ns += time.perf_counter_ns() - issue_start
+        self.stream.synchronize()
+        if timed:
+            self.kernel_timer.finish_step()
+        if replay_timed:
+            self.kernel_timer.finish_replay()
+        if tracker is not None:
+            tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
+        self.steps += 1
+        ws = self.ws
+        tokens = ws.sampled_host.view(np.int32, (self.max_tokens,))[:rows].copy()
+        logprobs = ws.logprob_host.view(np.float32, (self.max_tokens,))[:rows].copy()
+        host_logits = None
+        if want_logits:
+            shape = (self.max_tokens, self.n_vocab)
+            host_logits = ws.logits_host.view(np.float32, shape)[:rows].copy()
+        # The sampler advanced the step state to the next decode step of these rows.
+        self._device_state = self._state_bytes(batch, tokens, 1) if decode_shape else None
+        return StepOutput(tokens, logprobs, self._top_alternatives(batch, top), host_logits)
+
+    def _top_alternatives(
+        self, batch: StepBatch, top: int
+    ) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """Each row's best alternatives, as many as it asked for (read back after the sync)."""
+        counts = batch.sampling.params["logprobs"]
+        if not top:
+            return ((),) * len(counts)
+        shape = (self.max_tokens, SAMPLE_MAX_TOP)
+        ids = self.ws.top_tokens_host.view(np.int32, shape)
+        values = self.ws.top_logprobs_host.view(np.float32, shape)
+        return tuple(
+            tuple(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True))
+            for r, n in enumerate(counts.tolist())
+        )
+
+    def _replay(
+        self,
+        batch: StepBatch,
+        run_forward: Callable[[], Activation],
+        tracker: LaunchOverheadTracker | None,
+    ) -> bool:
+        """Replay the decode graph of this batch size and sampler, capturing it on first use.
+
+        Returns whether the kernel timer timed this replay (read it after the sync).
+        """
+        key = (batch.n_tokens, batch.sampling.needs_sampler)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = StepGraph(self.driver, self.stream)
+            graph.capture(lambda: self._record(batch, run_forward))
+            self._graphs[key] = graph
+        timed = self.kernel_timer.begin_replay(self.steps)
+        replay_start = time.perf_counter_ns()
+        graph.replay()
+        if tracker is not None:
+            tracker.launched("graph_replay", replay_start, time.perf_counter_ns())
+        if timed:
+            self.kernel_timer.end_replay()
+        return timed
+
+    def _queue_readback(self, rows: int, top: bool, want_logits: bool) -> None:
+        """Queue the copies of the sampled tokens (alternatives, logits) into pinned memory."""
+        if not rows:
+            return
+        copy, stream, ws = self.driver.copy_dtoh, self.stream, self.ws
+        copy(ws.sampled_host, ws.sampled, stream, nbytes=rows * 4)
+        copy(ws.logprob_host, ws.sampled_logprob, stream, nbytes=rows * 4)
+        if top:
+            nbytes = rows * SAMPLE_MAX_TOP * 4
+            copy(ws.top_tokens_host, ws.top_tokens, stream, nbytes=nbytes)
+            copy(ws.top_logprobs_host, ws.top_logprobs, stream, nbytes=nbytes)
+        if want_logits:
+            nbytes = rows * self.n_vocab * 4
+            copy(ws.logits_host, ws.logits, stream, nbytes=nbytes)
+
+    def _close_gate(self) -> None:
+        """Queue a kernel that holds the stream until the gate flag is set (kernels/gate.hip)."""
+        gate = self.ws.gate
+        gate.view(np.uint32, 1)[0] = 0
+        self.launcher.launch(
+            ("gate",), "rf_hold", (1, 1, 1), (1, 1, 1), (gate.ptr, 1, GATE_MAX_NAPS)
+        )
+
+    def _issue(self, batch: StepBatch, run_forward: Callable[[], Activation]) -> None:
+        """Issue the forward and the sampler."""
+        self._sample(
+            run_forward(), batch.sampling, int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
+        )
+
+    def _record(
+        self, batch: StepBatch, run_forward: Callable[[], Activation]
+    ) -> list[LaunchHandle]:
+        """Issue the step, returning every handle launched (for capture)."""
+        launcher = self.launcher
+        launcher.recording = []
+        try:
+            self._issue(batch, run_forward)
+            return launcher.recording
+        finally:
+            launcher.recording = None
+
+    # --- runtime statistics --------------------------------------------------------------
+    def runtime_stats(self) -> dict[str, object]:
+        """Launches, syncs and graph replays per step, and the argument cache's counters."""
+        counters = self.driver.counters.snapshot()
+        steps = max(self.steps, 1)
+        cache = ARG_CACHE_STATS.snapshot()
+        return {
+            "mode": self._mode,
+            "overlap": self.overlap,
+            "steps": self.steps,
+            "launches_per_step": counters["launches"] / steps,
+            "host_us_per_step": self.host_ns / steps / 1000,
+            "syncs_per_step": counters["syncs"] / steps,
+            "graph_replay": self._mode == "graph",
+            "graph_replays": counters["graph_replays"],
+            "graph_captures": counters["captures"],
+            "launch_handles": len(self.launcher.handles),
+            "arg_cache_hits": cache["hits"],
+            "arg_cache_misses": cache["misses"],
+            "arg_bytes_repacked": cache["bytes_repacked"],
+            "launch_tracking": self.launch_tracker.enabled,
+            "kernel_timing": self.kernel_timer.enabled,
+            **self.profile(),
+        }
+
+    def profile(self) -> dict[str, object]:
+        """The launch tracker's step figures, the kernel timer's, and one row per kernel name.
+
+        A kernel row merges its host launch statistics (while tracking is on), its
+        handles' argument-cache counters (always) and its GPU time (timed steps).
+        """
+        launches = self.launch_tracker.snapshot()
+        gpu = self.kernel_timer.snapshot()
+        kernels: dict[str, dict[str, Any]] = launches.pop("kernels")
+        for handle in self.launcher.handles.values():
+            row = kernels.setdefault(handle.name, {})
+            row["arg_cache_hits"] = row.get("arg_cache_hits", 0) + handle.hits
+            row["arg_cache_misses"] = row.get("arg_cache_misses", 0) + handle.misses
+            row["arg_bytes_repacked"] = row.get("arg_bytes_repacked", 0) + handle.bytes_repacked
+        for name, row in gpu.pop("kernels").items():
+            kernels.setdefault(name, {}).update(row)
+        return {"launch_overhead": launches, "gpu_time": gpu, "kernels": kernels}
+
+    def reset_runtime_stats(self) -> None:
+        self.driver.counters.reset()
+        ARG_CACHE_STATS.reset()
+        self.launch_tracker.reset()
+        self.kernel_timer.reset()
+        for handle in self.launcher.handles.values():
+            handle.reset_stats()
+        self.steps = 0
+        self.host_ns = 0

@@ -1,0 +1,277 @@
+"""Quantized matmuls: weights repacked at load, the decode GEMV and the prefill GEMM.
+
+kernels/gemv.hip takes up to GEMV_MAX_ROWS activation rows (decode, short chunks);
+kernels/gemm.hip more (prompt chunks). Both RMS-normalize their rows with a gain when
+given one and end in an epilogue (store, residual add, SwiGLU); the QKV GEMV's
+epilogue can instead rotate q, k, v and append k, v to the KV pool (kernels/rf_rope.h).
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from rocforge_rt.backends.gpu.kernel_constants import (
+    EPILOGUE_STORE,
+    EPILOGUE_SWIGLU,
+    GEMM_THREADS,
+    GEMM_TILE_M,
+    GEMM_TILE_N,
+    GEMV_MAX_ROWS,
+    GEMV_THREADS,
+    Q4_0_BLOCK_BYTES,
+    Q8_0_BLOCK_BYTES,
+    Q8_ROWS_THREADS,
+    Q8_STAGE,
+    QK,
+)
+from rocforge_rt.backends.gpu.launcher import Launcher
+from rocforge_rt.backends.gpu.workspace import Activation, Workspace
+from rocforge_rt.errors import BackendError
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.hparams import HParams
+
+GEMV_SHARED_LIMIT = 48 * 1024  # portable without opt-in (AMD LDS is 64 KiB)
+# Output rows one warp computes together, per (format, variant), for one activation row:
+# the rf_gemv_<fmt>_b1_n<NO><variant> kernels; more activation rows take the
+# rf_gemv_<fmt>_b8_n<NO><variant> ones, NO from GEMV_MULTI_ROW_NO. The variants: plain
+# (store or add the residual), _swiglu, and _rope (the QKV projection: RoPE + KV-append).
+GEMV_ROWS_PER_WARP = {
+    ("q4_0", ""): (1, 2, 4),
+    ("q4_0", "_swiglu"): (1, 2),
+    ("q4_0", "_rope"): (2, 4),
+    ("q8_0", ""): (1, 2),
+    ("q8_0", "_swiglu"): (1,),
+}
+GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
+GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
+GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
+
+_BLOCK_LAYOUT = {
+    # type: (bytes per GGUF block, bytes of quants per block, format name)
+    GGMLQuantizationType.Q4_0: (Q4_0_BLOCK_BYTES, QK // 2, "q4_0"),
+    GGMLQuantizationType.Q8_0: (Q8_0_BLOCK_BYTES, QK, "q8_0"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceMatrix:
+    """A quantized weight matrix on the device, quants and f16 scales stored apart."""
+
+    fmt: str  # "q4_0" | "q8_0"
+    n: int  # output rows
+    k: int  # input columns
+    qs: Any
+    d: Any
+
+
+def gemv_shared_bytes(k: int, rows: int, warp_size: int) -> int:
+    """Dynamic shared memory of a GEMV launch over `rows` activation rows of width k.
+
+    Per row: block slots (k / 32 rounded up to whole sum stages) of int8 quants and a
+    (f32 scale, i32 sum) each; then the per-warp sums of squares (kernels/gemv.hip).
+    """
+    padded_blocks = math.ceil(k // QK / Q8_STAGE) * Q8_STAGE
+    return rows * padded_blocks * (QK + 8) + GEMV_MAX_ROWS * (GEMV_THREADS // warp_size) * 4
+
+
+def repack_rows(tensors: Sequence[WeightTensor]) -> tuple[str, np.ndarray, np.ndarray]:
+    """Row-stack GGUF Q4_0/Q8_0 tensors and split each block into quants and scale.
+
+    Returns (format, quants uint8 [n, k * bits / 8], scales uint16 [n, k / 32]):
+    the same bytes as the GGUF, scales moved apart so quants are 16-byte aligned.
+    """
+    types = {t.ggml_type for t in tensors}
+    if len(types) != 1 or next(iter(types)) not in _BLOCK_LAYOUT:
+        names = ", ".join(f"{t.name} ({t.ggml_type.name})" for t in tensors)
+        raise BackendError(f"the GPU backend reads Q4_0 or Q8_0 matrices only; got {names}")
+    block_bytes, quant_bytes, fmt = _BLOCK_LAYOUT[types.pop()]
+    raw = np.concatenate([np.asarray(t.data, dtype=np.uint8) for t in tensors], axis=0)
+    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(raw.shape[0], -1)
+    quants = np.ascontiguousarray(blocks[:, :, 2:]).reshape(raw.shape[0], -1)
+    assert quants.shape[1] == blocks.shape[1] * quant_bytes
+    return fmt, quants, scales
+
+
+class Matmul:
+    """out = W x over activation rows: the GEMV for up to GEMV_MAX_ROWS rows, else the GEMM."""
+
+    def __init__(
+        self,
+        driver: Any,
+        launcher: Launcher,
+        workspace: Workspace,
+        hparams: HParams,
+        *,
+        n_ctx: int,
+        max_tokens: int,
+    ) -> None:
+        self.driver = driver
+        self._launch = launcher.launch
+        self.ws = workspace
+        self.hparams = hparams
+        self.n_ctx = n_ctx
+        self.max_tokens = max_tokens
+        self.use_prefill_gemm = True
+
+    @property
+    def use_prefill_gemm(self) -> bool:
+        """Whether prompt chunks take the GEMM (False: every row count takes the GEMV, A/B)."""
+        return self._use_prefill_gemm
+
+    @use_prefill_gemm.setter
+    def use_prefill_gemm(self, value: bool) -> None:
+        self._use_prefill_gemm = value
+        # The fewest activation rows that take the GEMM (compared on the hot path).
+        self.gemm_min_rows = GEMV_MAX_ROWS + 1 if value else math.inf
+
+    def __call__(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int,
+        *,
+        gain: Any = None,
+        epilogue: int = EPILOGUE_STORE,
+        residual_ptr: int = 0,
+    ) -> None:
+        """out = W x: the GEMV for up to GEMV_MAX_ROWS rows, the GEMM for prompt chunks."""
+        if x.rows >= self.gemm_min_rows:
+            self.gemm(matrix, x, n_out, out_ptr, gain, epilogue, residual_ptr)
+        else:
+            self.gemv(matrix, x, n_out, out_ptr, gain=gain, epilogue=epilogue,
+                      residual_ptr=residual_ptr)  # fmt: skip
+
+    def gemv(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int = 0,
+        *,
+        gain: Any = None,
+        epilogue: int = EPILOGUE_STORE,
+        residual_ptr: int = 0,
+        rope_layer: int | None = None,
+    ) -> None:
+        """out = W x for every activation row, GEMV_MAX_ROWS (or fewer, to fit) per launch.
+
+        One activation row (decode) takes the widest row group per warp that still gives
+        each multiprocessor a block, and at most GEMV_MAX_BLOCKS_PER_SM blocks per
+        multiprocessor (the warps stride over the rest); several rows take the b8 kernels.
+        With `rope_layer`, the outputs are the Q|K|V rows of that layer: the kernel rotates
+        q into the workspace's `q` and k, v into the layer's KV pool instead of storing to
+        `out_ptr`.
+        """
+        k = matrix.k
+        info = self.driver.info
+        warps = GEMV_THREADS // info.warp_size
+        scratch = gemv_shared_bytes(k, 0, info.warp_size)
+        per_row_shared = gemv_shared_bytes(k, 1, info.warp_size) - scratch
+        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - scratch) // per_row_shared))
+        variant = "_rope" if rope_layer is not None else ""
+        variant = "_swiglu" if epilogue == EPILOGUE_SWIGLU else variant
+        gain_ptr = gain.ptr if gain is not None else 0
+        for first in range(0, x.rows, max_rows):
+            rows = min(max_rows, x.rows - first)
+            if rows == 1:
+                choices = GEMV_ROWS_PER_WARP[(matrix.fmt, variant)]
+                min_blocks = GEMV_MIN_BLOCKS_PER_SM * info.multiprocessors
+                wide = [no for no in choices if math.ceil(n_out / no / warps) >= min_blocks]
+                no = max(wide, default=choices[0])
+                kernel = f"rf_gemv_{matrix.fmt}_b1_n{no}{variant}"
+            else:
+                no = GEMV_MULTI_ROW_NO[variant]
+                kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
+            blocks = math.ceil(math.ceil(n_out / no) / warps)
+            grid = (max(1, min(blocks, GEMV_MAX_BLOCKS_PER_SM * info.multiprocessors)), 1, 1)
+            out_offset = first * n_out * 4
+            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x.ptr + first * k * 4, rows, gain_ptr,
+                    self.hparams.rms_eps)  # fmt: skip
+            if rope_layer is None:
+                residual = residual_ptr + out_offset if residual_ptr else 0
+                tail = (epilogue, residual, out_ptr + out_offset)
+            else:
+                tail = self._rope_args(rope_layer, first)
+            self._launch(
+                ("gemv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
+                kernel,
+                grid,
+                (GEMV_THREADS, 1, 1),
+                head + tail,
+                gemv_shared_bytes(k, rows, info.warp_size),
+            )
+
+    def _rope_args(self, layer: int, first: int) -> tuple[int, ...]:
+        """Where RoPE + KV-append (kernels/rf_rope.h) writes, from activation row `first` on."""
+        hp, ws = self.hparams, self.ws
+        return (
+            ws.step_positions.ptr + first * 4,
+            ws.step_slots.ptr + first * 4,
+            ws.rope_cos.ptr,
+            ws.rope_sin.ptr,
+            ws.q.ptr + first * hp.q_dim * 4,
+            ws.k_cache[layer].ptr,
+            ws.v_cache[layer].ptr,
+            hp.q_dim,
+            hp.kv_dim_k,
+            hp.head_dim_k,
+            hp.rope_dims,
+            self.n_ctx,
+        )
+
+    def gemm(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int,
+        gain: Any,
+        epilogue: int,
+        residual_ptr: int,
+    ) -> None:
+        """out = W x for many activation rows (kernels/gemm.hip), the GEMV's arithmetic.
+
+        The rows are normalized (with a gain) and quantized to q8 once, into the
+        workspace's `xq`/`xq_d`; then one int8 GEMM reads every weight once per
+        GEMM_TILE_M rows and applies the epilogue.
+        """
+        k = matrix.k
+        ws = self.ws
+        if x.rows > self.max_tokens or k > ws.gemm_max_k:
+            raise BackendError(
+                f"GEMM of {x.rows} rows x {k} columns exceeds the prefill buffers "
+                f"({self.max_tokens} x {ws.gemm_max_k})"
+            )
+        gain_ptr = gain.ptr if gain is not None else 0
+        self._launch(
+            ("q8rows", x.ptr, x.rows, k, gain_ptr),
+            "rf_quantize_q8_rows",
+            (x.rows, 1, 1),
+            (Q8_ROWS_THREADS, 1, 1),
+            (x.ptr, k, gain_ptr, self.hparams.rms_eps, ws.xq.ptr, ws.xq_d.ptr),
+        )
+        tile_n = GEMM_TILE_N // 2 if epilogue == EPILOGUE_SWIGLU else GEMM_TILE_N
+        self._launch(
+            ("gemm", matrix.qs.ptr, epilogue, x.rows, out_ptr),
+            f"rf_gemm_{matrix.fmt}",
+            (math.ceil(x.rows / GEMM_TILE_M), math.ceil(n_out / tile_n), 1),
+            (GEMM_THREADS, 1, 1),
+            (
+                matrix.qs.ptr,
+                matrix.d.ptr,
+                n_out,
+                k,
+                ws.xq.ptr,
+                ws.xq_d.ptr,
+                x.rows,
+                epilogue,
+                residual_ptr,
+                out_ptr,
+            ),
+        )

@@ -1,0 +1,132 @@
+"""Every device and pinned buffer the GPU backend's steps use, allocated once at start-up.
+
+Sized from the model's hyper-parameters, the KV pool (n_slots x n_ctx) and the most
+tokens a step takes (max_tokens); nothing is allocated per step. The launch code
+of each op family reads the buffers it needs from here; weights are uploaded
+through `upload` and kept alive here as well.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rocforge_rt.backends.gpu.kernel_constants import (
+    ARGMAX_PART_BYTES,
+    ATTN_SEGMENT,
+    GEMV_MAX_ROWS,
+    QK,
+    ROW_STATS_BYTES,
+    SAMPLE_CANDIDATES,
+    SAMPLE_MAX_SLICES,
+    SAMPLE_MAX_TOP,
+    SAMPLE_SLICE,
+)
+from rocforge_rt.model.hparams import HParams
+from rocforge_rt.step.rope import rope_tables
+from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE
+
+ARGMAX_SLICE = 2048  # vocabulary entries per argmax block (the kernel takes any slice count)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Rows of fp32 activations in a device buffer, starting `offset` bytes in."""
+
+    buf: Any
+    rows: int
+    width: int
+    offset: int = 0
+
+    @property
+    def ptr(self) -> int:
+        return self.buf.ptr + self.offset
+
+
+class Workspace:
+    """The KV pool, RoPE tables, step state, activations and scratch of one backend.
+
+    Device buffers start zeroed (the kernels' counters rely on it); pinned buffers
+    are the host side of the step-state copies and of the readback.
+    """
+
+    def __init__(
+        self, driver: Any, hparams: HParams, *, n_slots: int, n_ctx: int, max_tokens: int
+    ) -> None:
+        self.driver = driver
+        self._allocated: list[Any] = []
+        hp = hparams
+        f32 = 4
+        self.gate = driver.alloc_pinned(4)  # the flag rf_hold waits on (device-readable)
+        # KV pool: per layer [n_slots, n_ctx, n_kv, head_dim] fp16, zeroed.
+        self.k_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_k * 2) for _ in range(hp.n_layer)]
+        self.v_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_v * 2) for _ in range(hp.n_layer)]
+        cos, sin = rope_tables(hp, n_ctx)
+        self.rope_cos, self.rope_sin = self.upload(cos), self.upload(sin)
+        # Step state (read by kernels through pointers) and its pinned staging areas:
+        # tokens, positions, KV slots, and each logits row's sampling parameters.
+        self.step_tokens = self.zeros(max_tokens * 4)
+        self.step_positions = self.zeros(max_tokens * 4)
+        self.step_slots = self.zeros(max_tokens * 4)
+        self.step_sampling = self.zeros(max_tokens * ROW_PARAMS_DTYPE.itemsize)
+        self.step_state = (self.step_tokens, self.step_positions, self.step_slots,
+                           self.step_sampling)  # fmt: skip
+        self.staging = [driver.alloc_pinned(buf.nbytes) for buf in self.step_state]
+        # Sampling results (token, its log-probability, the alternatives asked for), read
+        # back through pinned memory; the argmax's row statistics for the sampler.
+        self.sampled = self.zeros(max_tokens * 4)
+        self.sampled_logprob = self.zeros(max_tokens * 4)
+        self.row_stats = self.zeros(max_tokens * ROW_STATS_BYTES)
+        # The sampler's per-slice candidates and totals (none past SAMPLE_MAX_SLICES slices:
+        # the sampler then takes its general path alone).
+        slices = math.ceil(hp.n_vocab / SAMPLE_SLICE)
+        self.sample_slices = slices if slices <= SAMPLE_MAX_SLICES else 0
+        self.sample_candidates = self.zeros(max_tokens * slices * SAMPLE_CANDIDATES * 8)
+        self.sample_slice_sums = self.zeros(max_tokens * slices * 8)
+        self.top_tokens = self.zeros(max_tokens * SAMPLE_MAX_TOP * 4)
+        self.top_logprobs = self.zeros(max_tokens * SAMPLE_MAX_TOP * 4)
+        self.sampled_host = driver.alloc_pinned(max_tokens * 4)
+        self.logprob_host = driver.alloc_pinned(max_tokens * 4)
+        self.top_tokens_host = driver.alloc_pinned(max_tokens * SAMPLE_MAX_TOP * 4)
+        self.top_logprobs_host = driver.alloc_pinned(max_tokens * SAMPLE_MAX_TOP * 4)
+        self.logits_host = driver.alloc_pinned(max_tokens * hp.n_vocab * 4)
+        # Activations.
+        self.x = self.zeros(max_tokens * hp.n_embd * f32)
+        self.qkv = self.zeros(max_tokens * (hp.q_dim + hp.kv_dim_k + hp.kv_dim_v) * f32)
+        self.q = self.zeros(max_tokens * hp.q_dim * f32)
+        self.attn = self.zeros(max_tokens * hp.n_head * hp.head_dim_v * f32)
+        self.h = self.zeros(max_tokens * hp.n_ff * f32)
+        self.logits = self.zeros(max_tokens * hp.n_vocab * f32)
+        # Prefill GEMM input: activation rows quantized to int8 per block, and their scales.
+        self.gemm_max_k = max(hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim_v)
+        self.xq = self.zeros(max_tokens * self.gemm_max_k)
+        self.xq_d = self.zeros(max_tokens * (self.gemm_max_k // QK) * f32)
+        # Decode attention's per-segment states, for the tokens of a decode step (one per
+        # session, or a short prompt chunk); counters start at zero and the kernel resets them.
+        self.attn_segments = math.ceil(n_ctx / ATTN_SEGMENT)
+        self.attn_decode_rows = min(max_tokens, max(n_slots, GEMV_MAX_ROWS))
+        self.attn_partial = self.zeros(
+            self.attn_decode_rows * hp.n_head * self.attn_segments * (hp.head_dim_v + 2) * f32
+        )
+        self.attn_counters = self.zeros(self.attn_decode_rows * hp.n_head_kv * 4)
+        # Argmax slices per row, their partial results and counters (zero; the kernel resets).
+        self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
+        self.argmax_partial = self.zeros(max_tokens * self.argmax_slices * ARGMAX_PART_BYTES)
+        self.argmax_counters = self.zeros(max_tokens * 4)
+        driver.synchronize()
+
+    def zeros(self, nbytes: int) -> Any:
+        """A zeroed device buffer of `nbytes` (at least 4), kept for the workspace's life."""
+        buf = self.driver.alloc(max(nbytes, 4))
+        self.driver.memset(buf, 0)
+        self._allocated.append(buf)
+        return buf
+
+    def upload(self, array: np.ndarray) -> Any:
+        """A device copy of `array` (weights, tables), kept for the workspace's life."""
+        array = np.ascontiguousarray(array)
+        buf = self.driver.alloc(array.nbytes)
+        self.driver.copy_htod(buf, array)
+        self._allocated.append(buf)
+        return buf

@@ -1,0 +1,320 @@
+"""The contract between the kernels and the Python side, checked without a GPU.
+
+- A launch packs each kernel's arguments as its C declaration types them: the kernel
+  library reads every parameter list (macros expanded) and the launcher takes the
+  types from there; a launch with the wrong number of arguments is refused.
+- Every number both sides use is written once, in kernel_constants.py, and reaches
+  every compile as a -D define (part of the cache key); no kernel file defines one.
+- The records the host lays out for the kernels match the kernels' structs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_driver import FakeDriver
+from gguf import GGMLQuantizationType as Q
+from gpu_checks import hparams, weight
+
+from rocforge_rt.backends.gpu import kernel_constants
+from rocforge_rt.backends.gpu.backend import GpuBackend
+from rocforge_rt.backends.gpu.kernel_constants import KERNEL_DEFINES
+from rocforge_rt.backends.gpu.kernel_library import (
+    C_ARG_TYPES,
+    KernelLibrary,
+    kernel_names,
+    kernel_signatures,
+    kernels_dir,
+    struct_fields,
+)
+from rocforge_rt.backends.gpu.launch import ARG_TYPES
+from rocforge_rt.backends.gpu.launcher import Launcher
+from rocforge_rt.backends.gpu.matmul import GEMV_MULTI_ROW_NO, GEMV_ROWS_PER_WARP
+from rocforge_rt.errors import BackendError, KernelCompileError
+from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
+from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import LayerWeights, ModelWeights, forward
+from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE, RowSampling, Sampler, SamplingParams
+
+KERNELS = kernels_dir()
+SOURCES = sorted(p.name for p in KERNELS.glob("*.hip"))
+HEADERS = {p.name: p.read_text() for p in sorted(KERNELS.glob("*.h"))}
+GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32")  # weights, n, k, x, gain, eps
+
+
+def signatures() -> dict[str, tuple[str, ...]]:
+    found: dict[str, tuple[str, ...]] = {}
+    for name in SOURCES:
+        found.update(kernel_signatures((KERNELS / name).read_text(), HEADERS))
+    return found
+
+
+class FakeCompiler:
+    """Records what it is asked to compile; returns a stand-in ELF."""
+
+    vendor, arch, version, warp_size = "cuda", "sm_90", "fake 1", 32
+
+    def __init__(self) -> None:
+        self.defines: list[dict[str, str]] = []
+
+    def compile(
+        self, source: str, filename: str, headers: Mapping[str, str], defines: Mapping[str, str]
+    ) -> bytes:
+        self.defines.append(dict(defines))
+        return b"\x7fELF" + hashlib.sha256(source.encode()).digest()
+
+
+def real_compiler():
+    """NVRTC for sm_90; skips where it is missing (fails under CI, as test_kernel_compile)."""
+    from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
+
+    try:
+        return NvrtcCompiler("sm_90")
+    except BackendError as exc:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"no NVRTC under CI: {exc}")
+        pytest.skip(f"no NVRTC: {exc}")
+
+
+# --- signatures ----------------------------------------------------------------------------
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_kernel_parses_to_a_signature_of_launch_argument_types(source: str) -> None:
+    text = (KERNELS / source).read_text()
+    parsed = kernel_signatures(text, HEADERS)
+    assert list(parsed) == kernel_names(text)
+    for kernel, types in parsed.items():
+        assert types, f"{kernel} takes no arguments"
+        assert set(types) <= set(ARG_TYPES), (kernel, types)
+
+
+def test_known_kernels_have_the_signatures_their_declarations_state() -> None:
+    found = signatures()
+    plain_tail = ("i32", "ptr", "ptr")  # epilogue, residual, out
+    rope_tail = ("ptr",) * 7 + ("i32",) * 5  # step state, tables, q, KV pool; dims, n_ctx
+    assert found["rf_gemv_q4_0_b1_n1"] == GEMV_HEAD + plain_tail
+    assert found["rf_gemv_q8_0_b8_n1_swiglu"] == GEMV_HEAD + plain_tail
+    assert found["rf_gemv_q4_0_b1_n2_rope"] == GEMV_HEAD + rope_tail
+    assert found["rf_gemv_q4_0_b8_n2_rope"] == GEMV_HEAD + rope_tail
+    assert found["rf_hold"] == ("ptr", "u32", "u32")  # a volatile flag, target, naps
+    assert found["rf_embed_q8_0"] == ("ptr", "i64", "i32", "i32", "ptr", "i32", "ptr")
+    assert found["rf_attention_decode"][9] == "f32"  # the score scale
+    assert found["rf_sample_advance"] == ("ptr", "i32", "ptr", "ptr", "i32", "i32") + ("ptr",) * 8
+
+
+def test_a_macro_parameter_list_is_expanded_and_qualifiers_dropped() -> None:
+    header = "#define H_RESTRICT __restrict__\n#define H_TAIL float scale, int32_t n\n"
+    source = """
+    #define K_HEAD const float *H_RESTRICT x, /* a comment */ unsigned int flags
+    #define K_PARAMS K_HEAD, long long offset, \\
+        const volatile uint32_t* flag, struct rf_rec *RF_RESTRICT rec, float out[], H_TAIL
+    // RF_KERNEL void commented_out(double no);
+    RF_KERNEL_BOUNDS(256) void k(K_PARAMS) {}
+    RF_KERNEL void nothing(void) {}
+    """
+    assert kernel_signatures(source, {"h.h": header}) == {
+        "k": ("ptr", "u32", "i64", "ptr", "ptr", "ptr", "f32", "i32"),
+        "nothing": (),
+    }
+
+
+@pytest.mark.parametrize(
+    ("declaration", "named"),
+    [("int n, double scale", r"parameter 1 \(scale\).*'double'"),
+     ("const float* x, uint64_t seed", r"parameter 1 \(seed\).*'uint64_t'"),
+     ("int& n", r"parameter 0")],
+)  # fmt: skip
+def test_a_parameter_without_a_launch_type_is_an_error_naming_kernel_and_parameter(
+    declaration: str, named: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"kernel rf_bad, {named}"):
+        kernel_signatures(f"RF_KERNEL void rf_bad({declaration}) {{}}")
+
+
+def test_every_c_type_maps_to_a_launch_argument_type() -> None:
+    assert set(C_ARG_TYPES.values()) <= set(ARG_TYPES)
+
+
+def test_the_launcher_types_a_launch_by_the_declaration_and_refuses_a_wrong_count(
+    tmp_path: Path,
+) -> None:
+    sources = tmp_path / "kernels"
+    sources.mkdir()
+    (sources / "k.hip").write_text(
+        "RF_KERNEL void rf_k(const float* RF_RESTRICT x, int64_t n, float s) {}\n"
+    )
+    (sources / "rf_portability.h").write_text(HEADERS["rf_portability.h"])
+    library = KernelLibrary(FakeCompiler(), sources, tmp_path / "cache")
+    with FakeDriver({"rf_k": ("ptr", "i64", "f32")}) as driver:
+        launcher = Launcher(driver, driver.create_stream(), library, LaunchOverheadTracker())
+        assert launcher.signatures == {"rf_k": ("ptr", "i64", "f32")}
+        launcher.launch(("site",), "rf_k", (1, 1, 1), (32, 1, 1), (4096, -3, 0.5))
+        assert driver.log[-1][1:] == ("rf_k", struct.pack("<Qqf", 4096, -3, 0.5))
+        for wrong in ((4096, -3), (4096, -3, 0.5, 1)):
+            with pytest.raises(ValueError, match=rf"rf_k: .*takes 3 arguments, got {len(wrong)}"):
+                launcher.launch(("other",), "rf_k", (1, 1, 1), (32, 1, 1), wrong)
+
+
+def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() -> None:
+    """A prompt chunk, sampled and greedy decode steps and timed steps, in every mode,
+    over a fake device: every launch packs as many arguments as its kernel declares."""
+    launched = set()
+    for mode in ("per-kernel-sync", "deferred", "graph"):
+        launched |= kernels_of_steps_on_a_fake_device(mode)
+    families = {re.sub(r"_n\d", "", kernel) for kernel in launched}  # GEMV rows per warp aside
+    assert families >= {
+        "rf_embed_q8_0_split", "rf_quantize_q8_rows", "rf_gemm_q4_0", "rf_rope_kv_append",
+        "rf_attention_prefill", "rf_gemv_q4_0_b1_rope", "rf_gemv_q4_0_b8_rope",
+        "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
+        "rf_sample_candidates", "rf_sample_advance", "rf_hold",
+    }  # fmt: skip
+
+
+def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
+    hp = hparams(n_vocab=512)
+    sampled = RowSampling.of([Sampler(SamplingParams(temperature=1.0, logprobs=2))] * 2)
+    batches = [
+        StepBatch.prefill(list(range(12)), 0, 0),  # the GEMM path
+        StepBatch.prefill(list(range(3)), 0, 1),  # the GEMV path
+        StepBatch.decode([1], [12], [0]),  # one row: the b1 GEMVs
+        *[StepBatch.decode([1, 2], [13 + i, 3 + i], [0, 1]) for i in range(3)],
+        *[StepBatch.decode([1, 2], [16 + i, 6 + i], [0, 1], sampled) for i in range(2)],
+    ]
+    with FakeDriver(signatures()) as driver:
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16, mode=mode)
+        model = random_model(gpu, hp, np.random.default_rng(1))
+        gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
+        for batch in batches:
+            gpu.run_step(batch, lambda b=batch: forward(gpu, model, b), want_logits=True)
+        return {kernel for _, kernel, _ in driver.log}
+
+
+def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
+    def norm() -> object:
+        return gpu.vector(WeightTensor("g", Q.F32, (hp.n_embd,), np.ones(hp.n_embd, np.float32)))
+
+    layer = LayerWeights(
+        attn_norm=norm(),
+        wqkv=gpu.linear(*(weight(rng, n, hp.n_embd) for n in (hp.q_dim, hp.kv_dim_k, hp.kv_dim_v))),
+        wo=gpu.linear(weight(rng, hp.n_embd, hp.q_dim)),
+        ffn_norm=norm(),
+        wgate_up=gpu.linear(weight(rng, hp.n_ff, hp.n_embd), weight(rng, hp.n_ff, hp.n_embd)),
+        wdown=gpu.linear(weight(rng, hp.n_embd, hp.n_ff)),
+    )
+    table = gpu.embedding(weight(rng, hp.n_vocab, hp.n_embd, Q.Q8_0))
+    return ModelWeights(table, [layer], norm(), gpu.linear(weight(rng, hp.n_vocab, hp.n_embd)))
+
+
+def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
+    declared = set(kernel_names((KERNELS / "gemv.hip").read_text()))
+    wanted = {
+        f"rf_gemv_{fmt}_b1_n{no}{variant}"
+        for (fmt, variant), choices in GEMV_ROWS_PER_WARP.items()
+        for no in choices
+    }
+    wanted |= {f"rf_gemv_{fmt}_b{kernel_constants.GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
+               f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
+    assert wanted <= declared, sorted(wanted - declared)
+
+
+# --- constants -----------------------------------------------------------------------------
+def test_every_compile_gets_the_kernel_constants_and_the_warp_size(tmp_path: Path) -> None:
+    compiler = FakeCompiler()
+    KernelLibrary(compiler, cache_dir=tmp_path).load("gate.hip")
+    expected = {name: str(value) for name, value in KERNEL_DEFINES.items()}
+    assert compiler.defines == [{**expected, "RF_WARP_SIZE": "32"}]
+
+
+def test_the_kernel_constants_are_part_of_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = FakeCompiler()
+    library = KernelLibrary(compiler, cache_dir=tmp_path)
+    before = library.load("gate.hip")
+    monkeypatch.setitem(KERNEL_DEFINES, "RF_GEMV_MAX_ROWS", 16)
+    after = library.load("gate.hip")
+    assert after.key != before.key and library.compiles == 2
+    assert compiler.defines[-1]["RF_GEMV_MAX_ROWS"] == "16"
+
+
+def test_a_caller_cannot_redefine_a_kernel_constant(tmp_path: Path) -> None:
+    library = KernelLibrary(FakeCompiler(), cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="RF_QK comes from kernel_constants.py"):
+        library.load("gate.hip", defines={"RF_QK": 16})
+    library.load("gate.hip", defines={"RF_QK": kernel_constants.QK})  # the same value is fine
+
+
+def test_the_sampling_rules_numbers_are_the_kernels() -> None:
+    from rocforge_rt.step.sampling import MAX_LOGPROBS, WEIGHT_SCALE
+
+    assert KERNEL_DEFINES["RF_SAMPLE_MAX_TOP"] == MAX_LOGPROBS
+    assert np.float32(float(str(KERNEL_DEFINES["RF_SAMPLE_WEIGHT_SCALE"]).rstrip("f"))) == (
+        WEIGHT_SCALE
+    )
+
+
+def test_a_source_using_the_constants_compiles_through_the_library_with_their_values(
+    tmp_path: Path,
+) -> None:
+    """Every constant reaches the compiler with the value Python holds."""
+    checks = "\n".join(
+        f'static_assert({name} == {value}, "{name}");' for name, value in KERNEL_DEFINES.items()
+    )
+    sources = tmp_path / "kernels"
+    sources.mkdir()
+    for name, text in HEADERS.items():
+        (sources / name).write_text(text)
+    (sources / "uses.hip").write_text(
+        f'#include "rf_portability.h"\n#include "rf_constants.h"\n{checks}\n'
+        "RF_KERNEL void rf_uses(int* out) { *out = RF_GEMV_MAX_ROWS; }\n"
+    )
+    library = KernelLibrary(real_compiler(), sources, tmp_path / "cache")
+    assert library.load("uses.hip").code.startswith(b"\x7fELF")
+
+
+def test_a_compile_without_the_constants_fails_loudly() -> None:
+    compiler = real_compiler()
+    source = '#include "rf_portability.h"\n#include "rf_constants.h"\nRF_KERNEL void k() {}\n'
+    with pytest.raises(KernelCompileError, match="kernel constants missing"):
+        compiler.compile(source, "lone.hip", HEADERS, {"RF_WARP_SIZE": compiler.warp_size})
+
+
+def test_rf_constants_h_checks_exactly_the_kernel_constants() -> None:
+    checked = set(re.findall(r"!defined\((\w+)\)", HEADERS["rf_constants.h"]))
+    assert checked == set(KERNEL_DEFINES)
+
+
+def test_no_kernel_file_defines_a_kernel_constant() -> None:
+    for path in sorted(KERNELS.iterdir()):
+        defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", path.read_text(), re.M))
+        assert not defined & set(KERNEL_DEFINES), (path.name, sorted(defined & set(KERNEL_DEFINES)))
+
+
+# --- records the host lays out -------------------------------------------------------------
+C_DTYPES = {"float": "<f4", "int": "<i4", "uint32_t": "<u4", "uint64_t": "<u8"}
+
+
+def record_dtype(struct_name: str) -> np.dtype:
+    fields = struct_fields((KERNELS / "sampling.hip").read_text(), struct_name)
+    return np.dtype([(name, C_DTYPES[c_type]) for c_type, name in fields], align=True)
+
+
+def test_rf_sample_params_is_row_params_dtype_field_by_field() -> None:
+    device = record_dtype("rf_sample_params")
+    assert device.names == ROW_PARAMS_DTYPE.names
+    assert [device.fields[n][:2] for n in device.names] == [
+        ROW_PARAMS_DTYPE.fields[n][:2] for n in ROW_PARAMS_DTYPE.names
+    ]
+    assert device.itemsize == ROW_PARAMS_DTYPE.itemsize
+
+
+def test_the_argmax_records_have_the_sizes_the_host_allocates() -> None:
+    assert record_dtype("rf_argmax_part").itemsize == kernel_constants.ARGMAX_PART_BYTES
+    assert record_dtype("rf_row_stats").itemsize == kernel_constants.ROW_STATS_BYTES
