@@ -47,3 +47,7 @@ class EngineError(RocforgeError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class LoadCancelled(RocforgeError):
+    """Loading stopped because its caller asked it to (a daemon stopping while it loads)."""

@@ -109,9 +109,13 @@ def client(daemon: Daemon):
 class Peer:
     """A raw socket to the daemon: frames in, decoded replies out."""
 
-    def __init__(self, endpoint: str, kind: int = zmq.DEALER) -> None:
+    def __init__(
+        self, endpoint: str, kind: int = zmq.DEALER, *, routing_id: bytes | None = None
+    ) -> None:
         self.socket = zmq.Context.instance().socket(kind)
         self.socket.linger = 0
+        if routing_id is not None:  # else the daemon's ROUTER makes one up per connection
+            self.socket.routing_id = routing_id
         self.socket.connect(endpoint)
 
     def send(self, *frames: bytes) -> None:

@@ -7,9 +7,12 @@ with a random subset of its fields, each of a valid type: opens, generates,
 steps, aborts and closes on random session ids really run) and those requests
 with one field replaced by a random value. After each, the daemon must still
 answer `health`; after all of them, a session opened before the fuzzing must
-decode the same greedy tokens as a reference run made before it.
+decode the same greedy tokens as a reference run made before it, and nothing
+may be left held: no request in flight, no session but that one, every other
+slot free.
 """
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ CONFIG = {
     "backend": "cpu",
     "bind": "tcp://127.0.0.1:*",
     "ctx_size": 48,
-    "max_sessions": 16,  # fuzz sessions stay open: busy comes late, but it comes
+    "max_sessions": 16,  # fuzz sessions stay open until their socket closes: busy comes too
     "max_prompt_tokens": 32,
     "max_new_tokens": N_TOKENS,
     "max_request_bytes": MAX_REQUEST_BYTES,
@@ -143,3 +146,10 @@ def test_random_frames_leave_the_daemon_serving_and_other_sessions_intact(tiny_m
         fuzz()
         assert owner.health()["ready"]
         assert token_ids(victim, owner.step(victim.session, N_TOKENS - 1)) == reference
+        # nothing leaked: the attackers' sessions closed with their sockets, every slot but
+        # the victim's is free
+        deadline = time.monotonic() + 5
+        while (owner.health()["in_flight"], owner.health()["sessions"]) != (0, 1):
+            assert time.monotonic() < deadline, owner.health()
+            time.sleep(0.02)
+        assert owner.health()["slots_free"] == CONFIG["max_sessions"] - 1

@@ -12,6 +12,7 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.server.protocol import ErrorCode
 from rocforge_rt.server.translate import ENGINE_ERROR_CODES
+from rocforge_rt.step.sampling import SamplingParams
 
 
 def test_every_engine_error_code_has_a_reply_code() -> None:
@@ -59,3 +60,31 @@ def test_each_engine_refusal_has_its_code(engine: Engine) -> None:
     assert refusal(lambda: Engine(engine.model, engine.backend, n_slots=1, n_ctx=too_long)) is (
         EngineErrorCode.BAD_CONFIG
     )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=1.0, top_k=2**31),  # the device's top_k is an int32
+        SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32
+        SamplingParams(temperature=1e-46),  # 0 in float32, not greedy: a division by 0
+        SamplingParams(temperature=float("inf")),
+    ],
+    ids=["top_k=2**31", "top_p=1e-46", "temperature=1e-46", "temperature=inf"],
+)
+def test_sampling_the_device_cannot_hold_is_invalid_and_takes_no_slot(
+    engine: Engine, sampling: SamplingParams
+) -> None:
+    assert refusal(lambda: engine.open_session([1], sampling=sampling)) is (
+        EngineErrorCode.INVALID_ARGUMENT
+    )
+    assert engine.slots.in_use == 0
+    session = engine.open_session([1], max_tokens=1)
+    try:
+        engine.prefill(session)
+        assert refusal(lambda: engine.append(session, [2], sampling=sampling)) is (
+            EngineErrorCode.INVALID_ARGUMENT
+        )
+    finally:
+        engine.close_session(session)
+    assert engine.slots.in_use == 0

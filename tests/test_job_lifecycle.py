@@ -23,10 +23,11 @@ from rocforge_rt.server.jobs import (
     JobBoard,
     JobState,
     Limits,
+    PeerGone,
 )
 from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
-from rocforge_rt.server.protocol import ErrorCode, ProtocolError, parse_request
+from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Sampling, parse_request
 from rocforge_rt.server.replies import Outbox
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
@@ -40,19 +41,21 @@ class Rig:
 
     def __init__(self, engine: Engine, limits: Limits = LIMITS) -> None:
         self.engine = engine
-        self.board = JobBoard(limits.max_sessions)
+        self.board = JobBoard(engine.slots)  # the engine's allocator: the one count of slots
         self.policy = StepPolicy()
         self.outbox = Outbox()
         self.lifecycle = Lifecycle(
             engine, limits, self.board, self.policy, LatencyRecorder(), self.outbox
         )
         self._ids = iter(range(1, 1000))
+        self.accepted: list[Job] = []
 
     def accept(self, op: str, **fields: Any) -> Job:
         """A request as the I/O thread takes it: parsed, admitted to the board."""
         request = parse_request({"op": op, "id": next(self._ids), **fields})
         job = Job(request, (PEER,), time.perf_counter())
         self.board.admit(job)
+        self.accepted.append(job)
         return job
 
     def start(self, op: str, **fields: Any) -> Job:
@@ -103,7 +106,7 @@ class Rig:
         return (
             not self.lifecycle.sessions
             and self.engine.slots.in_use == 0
-            and self.board.counts() == {"in_flight": 0, "sessions": 0}
+            and self.board.counts() == {"in_flight": 0, "sessions": 0, "slots_free": 2}
             and not self.policy.busy
             and self.free_slots() == LIMITS.max_sessions
         )
@@ -120,13 +123,15 @@ def rig(engine: Engine) -> Iterator[Rig]:
     yield rig
     for live in list(rig.lifecycle.sessions.values()):  # the engine is shared by the module
         rig.lifecycle.close_session(live)
+    for job in rig.accepted:  # a test that failed midway may leave a slot reserved
+        rig.board.retire(job)
 
 
 # --- the session a job opened -------------------------------------------------------------------
 def test_an_open_that_ends_before_its_first_token_closes_the_session_it_opened(rig: Rig) -> None:
     job = rig.start("open", tokens=PROMPT)
     assert job.state is JobState.PREFILLING and rig.engine.slots.in_use == 1
-    assert rig.board.counts() == {"in_flight": 1, "sessions": 1}
+    assert rig.board.counts() == {"in_flight": 1, "sessions": 1, "slots_free": 1}
     assert rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT)) is True
     assert job.state is JobState.ENDED
     (reply,) = rig.replies()
@@ -143,7 +148,7 @@ def test_an_open_that_gave_its_token_leaves_its_session_open_and_idle(rig: Rig) 
     assert reply["ok"] and reply["finish_reason"] is None and len(reply["tokens"]) == 1
     live = rig.lifecycle.sessions[reply["session"]]
     assert live.job is None and not live.session.finished
-    assert rig.board.counts() == {"in_flight": 0, "sessions": 1}
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1}
     assert rig.engine.slots.in_use == 1 and rig.free_slots() == 1
 
 
@@ -197,7 +202,7 @@ def test_a_step_cut_before_its_first_token_ends_the_turn_but_not_the_session(rig
     assert reply["error"]["code"] == "deadline_exceeded"
     live = rig.lifecycle.sessions[session]
     assert live.job is None and live.session.finish_reason is FinishReason.ABORT
-    assert rig.board.counts() == {"in_flight": 0, "sessions": 1}
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1}
     rig.start("step", session=session)
     assert rig.replies()[0]["error"]["code"] == "turn_finished"
 
@@ -265,20 +270,95 @@ def test_idle_sessions_are_closed_and_remembered_as_expired(engine: Engine) -> N
     assert reply["error"]["code"] == "unknown_session" and "expired" in reply["error"]["message"]
 
 
-# --- engine refusals ----------------------------------------------------------------------------
-def test_an_engine_refusal_is_replied_with_its_mapped_code(rig: Rig) -> None:
-    held = [rig.engine.open_session([1]) for _ in range(2)]  # slots the board does not know of
+# --- engine refusals and the one count of slots ---------------------------------------------------
+def test_the_board_reserves_the_engines_own_slots_and_the_session_takes_its_slot_over(
+    rig: Rig,
+) -> None:
+    held = [rig.engine.open_session([1]) for _ in range(2)]  # taken outside the daemon
     try:
-        rig.start("open", tokens=PROMPT)
-        (reply,) = rig.replies()
-        assert reply["error"] == {"code": "busy", "message": "all 2 KV slots are in use"}
-        assert rig.free_slots() == 2  # the reservation went back
+        with pytest.raises(ProtocolError) as busy:
+            rig.accept("open", tokens=PROMPT)
+        assert busy.value.code is ErrorCode.BUSY  # one count: the board sees them taken
     finally:
         for session in held:
             rig.engine.close_session(session)
+    job = rig.accept("open", tokens=PROMPT)
+    reserved = job.slot
+    assert reserved is not None and rig.engine.slots.in_use == 1  # a real slot, at admission
+    rig.lifecycle.start(job)
+    assert job.slot is None and rig.lifecycle.session_of(job).slot == reserved
+    assert rig.engine.slots.in_use == 1  # the same slot, not a second one
+    rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT))
+    rig.replies()
+    assert rig.holds_nothing()
+
+
+def test_an_engine_refusal_is_replied_with_its_mapped_code_and_gives_back_the_slot(
+    rig: Rig,
+) -> None:
     rig.start("open", tokens=[1, 256])  # checked by the engine: the vocabulary
     (reply,) = rig.replies()
     assert reply["error"] == {
         "code": "bad_request", "message": "token id 256 is outside the vocabulary [0, 256)",
     }  # fmt: skip
     assert rig.holds_nothing()
+
+
+def test_sampling_the_device_cannot_hold_is_refused_by_the_engine_before_it_takes_a_slot(
+    rig: Rig,
+) -> None:
+    """Past the protocol's checks (a request built by hand): the engine's own refusal."""
+    request = parse_request({"op": "open", "id": "x", "tokens": PROMPT})
+    turn = dataclasses.replace(request.turn, sampling=Sampling(temperature=1.0, top_p=1e-46))
+    job = Job(dataclasses.replace(request, turn=turn), (PEER,), time.perf_counter())
+    rig.board.admit(job)
+    rig.lifecycle.start(job)
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "bad_request" and "top_p" in reply["error"]["message"]
+    assert rig.holds_nothing()
+
+
+# --- abort from acceptance, close of a running request, a client gone -----------------------------
+def test_an_abort_by_session_reaches_a_request_accepted_but_not_yet_started(rig: Rig) -> None:
+    session = rig.open_session(max_tokens=8)
+    job = rig.accept("step", session=session, n=5)  # still in the engine thread's inbox
+    assert rig.board.cancel(PEER, CancelCause.CLIENT, session=session) is True
+    rig.lifecycle.start(job)
+    (reply,) = rig.replies()
+    assert reply["error"] == {"code": "aborted", "message": "aborted (client) before it started"}
+    assert rig.board.cancel(PEER, CancelCause.CLIENT, session=session) is False  # it has ended
+
+
+@pytest.mark.parametrize("op", ["generate", "open"])
+def test_closing_a_session_whose_job_opened_it_ends_the_job_and_closes_it_once(
+    rig: Rig, op: str
+) -> None:
+    job = rig.start(op, tokens=PROMPT, max_tokens=8)
+    if op == "generate":  # a one-shot generate, streaming
+        rig.first_token(job)
+        assert rig.replies()[0]["done"] is False
+    close = rig.start("close", session=job.session_id)  # an open: still in its prefill
+    ended, closed = rig.replies()
+    if op == "generate":
+        assert (ended["finish_reason"], ended["abort_reason"]) == ("abort", "close")
+    else:
+        assert ended["error"]["code"] == "aborted"
+    assert closed["id"] == close.request.id and closed["closed"] is True
+    assert rig.holds_nothing()
+
+
+@pytest.mark.parametrize("keep_sessions", [False, True], ids=["generated-id", "own-id"])
+def test_a_client_gone_has_its_running_jobs_ended_and_its_sessions_closed(
+    rig: Rig, keep_sessions: bool
+) -> None:
+    idle = rig.open_session(max_tokens=8)
+    busy = rig.open_session(max_tokens=8)
+    step = rig.start("step", session=busy, n=5)
+    rig.lifecycle.peer_gone(PeerGone(PEER, keep_sessions))
+    (reply,) = rig.replies()
+    assert reply["id"] == step.request.id and reply["error"]["code"] == "aborted"
+    assert step.state is JobState.ENDED
+    if keep_sessions:  # it may come back under its own routing id: the idle timeout decides
+        assert set(rig.lifecycle.sessions) == {idle, busy}
+    else:
+        assert rig.holds_nothing()

@@ -199,6 +199,67 @@ def test_unpack_refuses_deep_nesting_and_huge_maps() -> None:
         unpack(wide, 1 << 20)
 
 
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_values_nested_deeper_than_a_request_needs_are_bad_requests_however_deep() -> None:
+    assert unpack(msgpack.packb({"op": "open", "messages": [{"role": "u", "content": "x"}]}), 1024)
+    for depth in (8, 1000, 1023, 10_000):  # past msgpack's own stack (1024) too
+        payload = msgpack.packb({"op": "open", "tokens": [1], "stop": "x"})[:-2]
+        payload += b"\x91" * depth + msgpack.packb("x")
+        with pytest.raises(ProtocolError) as info:
+            unpack(payload, 1 << 20)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        assert info.value.message == "malformed request: values nested deeper than 8 levels"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (nested(5000), "array of 1 items"),  # never recursed into: no RecursionError
+        ({"a": nested(5000)}, "map of 1 fields"),
+        ("x" * 1_000_000, "str 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'..."),
+        (b"\x00" * 100, "bin of 100 bytes"),
+        (None, "nil"),
+        (2**64 - 1, "int 18446744073709551615"),
+    ],
+    ids=["deep array", "deep map", "long string", "bytes", "nil", "uint64"],
+)
+def test_field_errors_show_values_short_and_without_recursing(value: object, shown: str) -> None:
+    error = rejected({"op": "open", "tokens": [1], "stop": [value]})
+    assert (
+        error.message
+        == f"field 'stop[0]': expected a string of at most 256 characters, found {shown}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "ok", "bad"),
+    [
+        ("temperature", [0.0, 2.0**-126, 100.0], [5e-324, 1e-46, 2.0**-127, 100.000001]),
+        ("top_p", [2.0**-126, 1.0], [0.0, 1e-46, 1e-40, 1.0000001]),
+        ("top_k", [0, 2**31 - 1], [-1, 2**31, 2**63 - 1]),  # the vocabulary: translate.py
+        ("seed", [0, 2**64 - 1], [-1, -(2**63)]),
+        ("logprobs", [0, 20], [-1, 21, 2**31]),
+    ],
+)
+def test_sampling_fields_hold_what_the_device_reads_int32_and_normal_float32(
+    field: str, ok: list, bad: list
+) -> None:
+    """temperature and top_p are float32 on the device, which divides by the temperature: a
+    value that rounds to 0 or a subnormal is refused; top_k is its int32."""
+    for value in ok:
+        parse_request({"op": "open", "tokens": [1], field: value})
+    for value in bad:
+        assert rejected({"op": "open", "tokens": [1], field: value}).message.startswith(
+            f"field {field!r}:"
+        )
+
+
 def test_replies_round_trip() -> None:
     ok = msgpack.unpackb(pack(ok_reply(3, session=1)))
     assert ok == {"id": 3, "ok": True, "session": 1}

@@ -1,7 +1,9 @@
 """The engine: a model's weights on a backend, a KV pool of slots, and the sessions using them.
 
 Contract: one thread drives an Engine (its executor). The daemon hands work to
-that thread; nothing else calls in.
+that thread; nothing else calls in, except the slot allocator (`slots`), which is
+thread-safe: the daemon reserves a slot there when it accepts a request that will
+open a session, and hands it to `open_session`.
 """
 
 import itertools
@@ -14,7 +16,7 @@ import numpy as np
 from rocforge_rt.backends import Backend, create_backend
 from rocforge_rt.engine.kv_cache import SlotAllocator
 from rocforge_rt.engine.session import Session, TokenEvent
-from rocforge_rt.errors import EngineError, EngineErrorCode
+from rocforge_rt.errors import EngineError, EngineErrorCode, LoadCancelled
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.step.batch import StepBatch
@@ -22,6 +24,14 @@ from rocforge_rt.step.forward import ForwardOps, StepOutput, forward, upload_wei
 from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
+INT32_MAX = (1 << 31) - 1  # the device reads top_k as int32
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # temperature and top_p: float32, normal
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _stop_point(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise LoadCancelled("loading stopped: asked to stop")
 
 
 class Engine:
@@ -35,7 +45,12 @@ class Engine:
         n_slots: int,
         n_ctx: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        slots: SlotAllocator | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
+        """`slots`: the allocator to use (the daemon's, shared with its socket thread), else a
+        new one. `should_stop` is asked between layers of the weights' upload: when it says
+        yes, LoadCancelled is raised."""
         if n_ctx > model.hparams.n_ctx_train:
             raise EngineError(
                 EngineErrorCode.BAD_CONFIG,
@@ -50,8 +65,13 @@ class Engine:
         )
         self.backend = backend
         self.ops: ForwardOps = backend  # what forward() calls; a profiler may wrap it
-        self.weights = upload_weights(model, backend)
-        self.slots = SlotAllocator(n_slots, n_ctx)
+        if slots is not None and slots.n_slots != n_slots:
+            raise EngineError(
+                EngineErrorCode.BAD_CONFIG,
+                f"a slot allocator of {slots.n_slots} slots for an engine of {n_slots}",
+            )
+        self.weights = upload_weights(model, backend, lambda: _stop_point(should_stop))
+        self.slots = slots if slots is not None else SlotAllocator(n_slots, n_ctx)
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self._session_ids = itertools.count(1)
@@ -59,22 +79,35 @@ class Engine:
     @classmethod
     def load(
         cls,
-        path: str | Path,
+        path: str | Path | ModelFile,
         *,
         backend: str = "auto",
         n_slots: int = 1,
         n_ctx: int = 2048,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        slots: SlotAllocator | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **backend_options: Any,
     ) -> "Engine":
-        """Load a GGUF onto a backend; `backend_options` go to create_backend."""
-        model = load_model_file(path)
+        """Load a GGUF (or a model file already read) onto a backend; `backend_options` go to
+        create_backend. `should_stop` is asked before each stage and between layers of the
+        upload: when it says yes, LoadCancelled is raised."""
+        model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
+        _stop_point(should_stop)
         device = create_backend(
             backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, **backend_options
         )
         prefill_chunk = min(prefill_chunk, getattr(device, "max_tokens", prefill_chunk))
-        return cls(model, device, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk)
+        return cls(
+            model,
+            device,
+            n_slots=n_slots,
+            n_ctx=n_ctx,
+            prefill_chunk=prefill_chunk,
+            slots=slots,
+            should_stop=should_stop,
+        )
 
     # --- sessions ----------------------------------------------------------------------
     def open_session(
@@ -84,21 +117,34 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         stop: Sequence[str] = (),
         max_tokens: int = 256,
+        slot: int | None = None,
     ) -> Session:
-        """Take a KV slot and queue the prompt.
+        """Queue the prompt in a KV slot: `slot`, one the caller holds (taken from `slots`),
+        or else a free one taken here. The slot is the session's once this returns (closing
+        the session gives it back); when this fails it is still the caller's, or, taken
+        here, given back.
 
         EngineError: BUSY when every slot is in use; CONTEXT_FULL or INVALID_ARGUMENT for a
-        prompt it cannot take.
+        prompt or sampling parameters it cannot take.
         """
         self._check_turn(prompt, 0, max_tokens)
-        session = Session(
-            next(self._session_ids),
-            self.slots.acquire(),
-            self.n_ctx,
-            self.tokenizer.eog_ids if self.tokenizer else frozenset(),
-            self.tokenizer.stream() if self.tokenizer else None,
-        )
-        session.start_turn(list(prompt), Sampler(sampling), tuple(stop), max_tokens)
+        sampler = self._sampler(sampling)
+        if slot is not None and not self.slots.in_use_slot(slot):
+            raise ValueError(f"slot {slot} was not taken from this engine's allocator")
+        taken = self.slots.acquire() if slot is None else slot
+        try:
+            session = Session(
+                next(self._session_ids),
+                taken,
+                self.n_ctx,
+                self.tokenizer.eog_ids if self.tokenizer else frozenset(),
+                self.tokenizer.stream() if self.tokenizer else None,
+            )
+            session.start_turn(list(prompt), sampler, tuple(stop), max_tokens)
+        except BaseException:
+            if slot is None:
+                self.slots.release(taken)
+            raise
         return session
 
     def append(
@@ -116,10 +162,37 @@ class Engine:
                 EngineErrorCode.TURN_RUNNING, f"session {session.session_id} is still generating"
             )
         self._check_turn(tokens, session.n_context, max_tokens)
-        session.start_turn(list(tokens), Sampler(sampling), tuple(stop), max_tokens)
+        session.start_turn(list(tokens), self._sampler(sampling), tuple(stop), max_tokens)
 
     def close_session(self, session: Session) -> None:
         self.slots.release(session.slot)
+
+    @staticmethod
+    def _sampler(sampling: SamplingParams) -> Sampler:
+        """The turn's sampler; EngineError(INVALID_ARGUMENT) for parameters a step cannot hold
+        (the device reads top_k as int32, temperature and top_p as float32, and divides by
+        the temperature)."""
+        t, k = sampling.temperature, sampling.top_k
+        checks = (
+            (k <= INT32_MAX, f"top_k must be at most {INT32_MAX}, got {k}"),
+            (
+                t == 0.0 or FLOAT32_TINY <= t <= FLOAT32_MAX,
+                f"temperature must be 0 or in [{FLOAT32_TINY}, {FLOAT32_MAX}] (float32), got {t}",
+            ),
+            (
+                sampling.top_p >= FLOAT32_TINY,
+                f"top_p must be at least {FLOAT32_TINY} (float32), got {sampling.top_p}",
+            ),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise EngineError(EngineErrorCode.INVALID_ARGUMENT, message)
+        try:
+            return Sampler(sampling)
+        except (OverflowError, ValueError) as exc:  # any other value the device's row refuses
+            raise EngineError(
+                EngineErrorCode.INVALID_ARGUMENT, f"sampling parameters out of range: {exc}"
+            ) from None
 
     def _check_turn(self, tokens: Sequence[int], n_context: int, max_tokens: int) -> None:
         if not tokens:

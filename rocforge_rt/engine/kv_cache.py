@@ -1,5 +1,7 @@
 """KV pool bookkeeping: one preallocated fp16 pool of slots, each a whole context window."""
 
+import threading
+
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.model.hparams import HParams
 
@@ -17,26 +19,44 @@ def kv_pool_bytes(hparams: HParams, n_slots: int, n_ctx: int) -> int:
 
 
 class SlotAllocator:
-    """Hands out KV slots (one per live session) and takes them back."""
+    """Hands out KV slots and takes them back: the one count of free slots.
+
+    Thread-safe: the daemon's socket thread reserves a slot when it accepts a request that
+    will open a session, and the engine thread releases it (or the session that took it
+    over does, when it closes). A slot has one holder at a time; releasing a slot that is
+    not in use is a bug and raises ValueError.
+    """
 
     def __init__(self, n_slots: int, n_ctx: int) -> None:
         if n_slots < 1 or n_ctx < 1:
             raise ValueError(f"KV pool needs n_slots >= 1 and n_ctx >= 1, got {n_slots}, {n_ctx}")
         self.n_slots = n_slots
         self.n_ctx = n_ctx
+        self._lock = threading.Lock()
         self._free = list(range(n_slots - 1, -1, -1))
 
     def acquire(self) -> int:
         """A free slot; EngineError(BUSY) when every slot is in use."""
-        if not self._free:
-            raise EngineError(EngineErrorCode.BUSY, f"all {self.n_slots} KV slots are in use")
-        return self._free.pop()
+        with self._lock:
+            if not self._free:
+                raise EngineError(EngineErrorCode.BUSY, f"all {self.n_slots} KV slots are in use")
+            return self._free.pop()
 
     def release(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not in use")
-        self._free.append(slot)
+        with self._lock:
+            if not 0 <= slot < self.n_slots or slot in self._free:
+                raise ValueError(f"slot {slot} is not in use")
+            self._free.append(slot)
+
+    def in_use_slot(self, slot: int) -> bool:
+        with self._lock:
+            return 0 <= slot < self.n_slots and slot not in self._free
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
 
     @property
     def in_use(self) -> int:
-        return self.n_slots - len(self._free)
+        return self.n_slots - self.free

@@ -1,8 +1,9 @@
 """The daemon's configuration, checked against the model before anything binds.
 
 `plan` validates a DaemonConfig (ranges, the model's trained context, the
-memory budget of the weights and the KV pool) and returns the engine factory
-the engine thread calls and the per-daemon limits.
+memory budget of the weights and the KV pool) and returns a Plan: the engine
+factory the engine thread calls, the per-daemon limits, and the KV slot
+allocator, the one count of session slots, shared by the engine and the job board.
 """
 
 import logging
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from rocforge_rt.backends import device_memory_bytes, resolve_backend_name
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
-from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
+from rocforge_rt.engine.kv_cache import SlotAllocator, kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.server.jobs import Limits
@@ -61,10 +62,17 @@ def check_memory(
         )
 
 
-def plan(
-    config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None
-) -> tuple[Callable[[], Engine], Limits]:
-    """Validate the configuration against the model; return the engine factory and limits."""
+@dataclass(frozen=True)
+class Plan:
+    """What `plan` found: how to build the engine, the limits, and the slot allocator."""
+
+    build: Callable[[Callable[[], bool]], Engine]  # should_stop -> the engine (LoadCancelled)
+    limits: Limits
+    slots: SlotAllocator
+
+
+def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None) -> Plan:
+    """Validate the configuration against the model; return the Plan."""
     checks = (
         (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
         (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
@@ -109,16 +117,20 @@ def plan(
         idle_timeout_s=config.idle_timeout_s,
     )
 
-    def build() -> Engine:
+    slots = SlotAllocator(config.max_sessions, n_ctx)
+
+    def build(should_stop: Callable[[], bool]) -> Engine:
         engine = Engine.load(
-            config.model,
+            model,  # read once, here
             backend=config.backend,
             n_slots=config.max_sessions,
             n_ctx=n_ctx,
             prefill_chunk=config.prefill_chunk,
+            slots=slots,
+            should_stop=should_stop,
         )
         if engine_hook is not None:
             engine_hook(engine)
         return engine
 
-    return build, limits
+    return Plan(build, limits, slots)

@@ -11,7 +11,13 @@ Start-up: the bind address and memory budget (config.py) are checked before
 anything binds; the socket then goes live (`health` says live, not ready)
 while the engine thread loads the model and runs a warm-up step; then ready.
 Shutdown (SIGTERM/SIGINT or `stop()`): new work is refused, every request in
-flight is cut and gets its final reply, sockets close, `run` returns.
+flight is cut and gets its final reply, sockets close, `run` returns; during
+the load or warm-up, those stop at their next layer or step.
+
+Clients that vanish: the socket's monitor tells which connection closed
+(peers.py); that client's requests are cut within one step, and its sessions
+closed (kept for the idle timeout when it named its own routing id and may
+come back). A reply that cannot be delivered (EHOSTUNREACH) means the same.
 """
 
 import logging
@@ -27,12 +33,11 @@ import zmq
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.profiling.latency import LatencyRecorder
-from rocforge_rt.profiling.recommendations import recommend
-from rocforge_rt.profiling.trace import chrome_trace
-from rocforge_rt.server import protocol
+from rocforge_rt.server import protocol, queries
 from rocforge_rt.server.config import DaemonConfig, ServerError, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
-from rocforge_rt.server.jobs import CancelCause, Job, JobBoard
+from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
+from rocforge_rt.server.peers import PeerWatch, generated_routing_id, source_fd
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
 from rocforge_rt.server.security import check_bind, secure_server
 
@@ -60,9 +65,10 @@ class Daemon:
         self, config: DaemonConfig, *, engine_hook: Callable[[Engine], None] | None = None
     ) -> None:
         check_bind(config.bind, config.curve_keys)
-        engine_factory, self.limits = plan(config, engine_hook)
+        found = plan(config, engine_hook)
+        self.limits = found.limits
         self.config = config
-        self.board = JobBoard(self.limits.max_sessions)
+        self.board = JobBoard(found.slots)  # the engine's slots: one count
         self.latency = LatencyRecorder()
         self._draining = False
         self.error: Exception | None = None
@@ -73,8 +79,10 @@ class Daemon:
         self._auth = None
         self._router = self._context.socket(zmq.ROUTER)
         self._replies = self._context.socket(zmq.PULL)
+        self._watch: PeerWatch | None = None
         try:
             self._configure_router()
+            self._watch = PeerWatch(self._router)
             self._router.bind(config.bind)
         except (zmq.ZMQError, RocforgeError) as exc:
             self._close_sockets()
@@ -86,7 +94,7 @@ class Daemon:
         self._replies.rcvhwm = 0
         self._replies.bind(reply_endpoint)
         self.engine_loop = EngineLoop(
-            engine_factory, self.limits, self.board, self.latency, self._context, reply_endpoint
+            found.build, self.limits, self.board, self.latency, self._context, reply_endpoint
         )
         log.info("listening on %s", self.endpoint)
 
@@ -173,6 +181,8 @@ class Daemon:
         return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _close_sockets(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._router.close(linger=LINGER_MS)
         self._replies.close(linger=0)
         if self._auth is not None:
@@ -184,10 +194,13 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
+        poller.register(self._watch.socket, zmq.POLLIN)
         while True:
             events = dict(poller.poll(POLL_MS))
             if self._replies in events and self._forward_replies():
                 return  # the engine thread has stopped and every reply is out
+            if self._watch.socket in events:
+                self._peers_gone(self._watch.events())
             if self._router in events:
                 self._read_requests()
             if not self._draining and (
@@ -212,8 +225,20 @@ class Daemon:
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: gone; EAGAIN: not reading its replies
-            log.debug("dropping a reply to a gone client: %s", exc)
-            self.board.cancel_peer(frames[0], CancelCause.DISCONNECT)
+            log.debug("dropping a reply to a client: %s", exc)
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._peers_gone([frames[0]])
+            else:
+                self.board.cancel_peer(frames[0], CancelCause.DISCONNECT)
+
+    def _peers_gone(self, peers: list[bytes]) -> None:
+        """Their connections closed: cut their requests now (the engine thread ends them at
+        its next step) and have the engine thread end what runs on their sessions and close
+        those no one can come back for."""
+        for peer in peers:
+            if self.board.cancel_peer(peer, CancelCause.DISCONNECT):
+                log.info("client %s disconnected: its requests and sessions end", peer.hex())
+                self.engine_loop.submit(PeerGone(peer, not generated_routing_id(peer)))
 
     def _reply(self, envelope: tuple[bytes, ...], reply: dict[str, Any]) -> None:
         self._send([*envelope, protocol.pack(reply)])
@@ -221,9 +246,12 @@ class Daemon:
     def _read_requests(self) -> None:
         for _ in range(MAX_READS_PER_POLL):
             try:
-                frames = [self._router.recv(zmq.NOBLOCK)]
+                first = self._router.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [first.bytes]
+            self._peers_gone(self._watch.events())  # every event before this message
+            alive = self._watch.arrived(frames[0], source_fd(first))
             extra = 0
             while self._router.rcvmore:
                 part = self._router.recv()
@@ -232,6 +260,8 @@ class Daemon:
                 else:
                     extra += 1
             self._on_message(frames, extra, time.perf_counter())
+            if not alive:  # it was sent before its connection closed
+                self._peers_gone([frames[0]])
 
     def _on_message(self, frames: list[bytes], extra: int, received: float) -> None:
         if len(frames) == 2:
@@ -274,9 +304,9 @@ class Daemon:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         handler = {
             "info": self._info,
-            "stats": self._stats,
-            "trace": self._trace,
-            "profile": self._profile,
+            "stats": lambda r: queries.stats(self.engine_loop, self.latency, r, self._uptime()),
+            "trace": lambda r: queries.trace(self.engine_loop, r),
+            "profile": lambda r: queries.profile(self.engine_loop, r),
             "abort": lambda r: self._abort(job.peer, r),
         }.get(request.op)
         if handler is not None:
@@ -290,9 +320,12 @@ class Daemon:
             "live": True,
             "ready": state is State.READY,
             "state": str(state),
-            "uptime_s": time.monotonic() - self._started,
+            "uptime_s": self._uptime(),
             **self.board.counts(),
         }
+
+    def _uptime(self) -> float:
+        return time.monotonic() - self._started
 
     def _info(self, _request: Request) -> dict[str, Any]:
         limits = self.limits
@@ -319,55 +352,3 @@ class Daemon:
             peer, CancelCause.CLIENT, request=request.request, session=request.session
         )
         return {"aborted": aborted}
-
-    def _stats(self, request: Request) -> dict[str, Any]:
-        timer = self.engine_loop.op_timer
-        overhead = timer.snapshot()
-        runtime = self.engine_loop.runtime_stats
-        stats: dict[str, Any] = {
-            "latency": self.latency.summary(),
-            "overhead": overhead,
-            "recommendations": recommend(overhead, runtime),
-            **self.engine_loop.usage,
-            "uptime_s": time.monotonic() - self._started,
-        }
-        if runtime is not None:
-            stats["runtime"] = runtime
-        if request.records:
-            stats["records"] = self.latency.recent(request.records)
-        if request.reset:
-            self.latency.reset()
-            timer.reset()
-            self.engine_loop.reset_stats()
-        return stats
-
-    def _trace(self, request: Request) -> dict[str, Any]:
-        steps = self.engine_loop.op_timer.recent_steps(request.steps)
-        backend = self.engine_loop.engine.backend
-        tracker = getattr(backend, "launch_tracker", None)
-        timer = getattr(backend, "kernel_timer", None)
-        launches = tracker.recent(request.steps) if tracker is not None else []
-        gpu = timer.recent(request.steps) if timer is not None else []
-        trace = chrome_trace(steps, launches=launches, gpu=gpu)
-        return {"trace": trace, "steps": len(steps), "launch_steps": len(launches),
-                "gpu_steps": len(gpu)}  # fmt: skip
-
-    def _profile(self, request: Request) -> dict[str, Any]:
-        """Switch the GPU backend's launch tracker and kernel timer; reply with their state.
-
-        The engine thread reads these switches at each step (a step in flight keeps its
-        setting), so they are set here without handing work to it.
-        """
-        backend = self.engine_loop.engine.backend
-        tracker = getattr(backend, "launch_tracker", None)
-        timer = getattr(backend, "kernel_timer", None)
-        if tracker is None or timer is None:
-            return {"available": False, "launches": False, "kernels": False, "every": 0}
-        if request.every is not None:
-            timer.every = request.every
-        if request.kernels is not None:
-            timer.enabled = request.kernels
-        if request.launches is not None:
-            tracker.enabled = request.launches
-        return {"available": True, "launches": tracker.enabled, "kernels": timer.enabled,
-                "every": timer.every}  # fmt: skip

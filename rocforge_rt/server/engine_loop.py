@@ -6,10 +6,14 @@ the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
 alone calls the engine; it sends replies through its own inproc PUSH socket,
 which the I/O thread forwards to clients, so neither waits on the other.
 
-Each iteration takes new jobs (lifecycle.py starts them), ends those the
-policy finds cancelled or past their deadline, then runs the step the policy
-picks (policy.py): at most one prefill chunk, then one batched decode. The
-replies each stage made go out after it.
+Each iteration takes new jobs (lifecycle.py starts them) and notices of
+clients gone, ends those the policy finds cancelled or past their deadline,
+then runs the step the policy picks (policy.py): at most one prefill chunk,
+then one batched decode. The replies each stage made go out after it.
+
+`stop` is heard while the engine loads and warms up too: the weights' upload
+stops between layers and the warm-up between steps, and the thread ends
+without an error (nothing was being served).
 """
 
 import logging
@@ -24,9 +28,10 @@ import zmq
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.errors import LoadCancelled
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.op_timer import OpTimer
-from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits
+from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits, PeerGone
 from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
 from rocforge_rt.server.protocol import ErrorCode
@@ -47,7 +52,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine_factory: Callable[[], Engine],
+        engine_factory: Callable[[Callable[[], bool]], Engine],  # should_stop -> engine
         limits: Limits,
         board: JobBoard,
         latency: LatencyRecorder,
@@ -60,11 +65,12 @@ class EngineLoop:
         self._latency = latency
         self._context = context
         self._reply_endpoint = reply_endpoint
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | PeerGone | None] = queue.SimpleQueue()
         self._policy = StepPolicy()
         self._outbox = Outbox()
         self._lifecycle: Lifecycle | None = None  # once the engine has started
         self._stopping = False
+        self._stop_requested = threading.Event()  # heard while loading, too
         self._out: zmq.Socket | None = None  # created on the engine thread, used only there
         self._runtime_stats: Callable[[], dict[str, Any]] | None = None
         self._next_runtime_stats = 0.0
@@ -79,7 +85,7 @@ class EngineLoop:
         self.runtime_stats: dict[str, Any] | None = None
 
     # --- called from the I/O thread -------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job | PeerGone) -> None:
         self._inbox.put(job)
 
     def reset_stats(self) -> None:
@@ -87,7 +93,9 @@ class EngineLoop:
         self._reset_requested.set()
 
     def stop(self) -> None:
-        """Finish: every job left gets its final reply (the I/O thread cancelled them)."""
+        """Finish: every job left gets its final reply (the I/O thread cancelled them); a load
+        or warm-up in progress stops at its next layer or step."""
+        self._stop_requested.set()
         self._inbox.put(None)
 
     # --- the engine thread ------------------------------------------------------------------
@@ -98,6 +106,9 @@ class EngineLoop:
         try:
             try:
                 self._start_engine()
+            except LoadCancelled:
+                log.info("stopped while loading")
+                return
             except Exception as exc:  # a model or device that cannot start: report, stop
                 log.exception("engine start-up failed")
                 self.failure = f"engine start-up failed: {exc}"
@@ -115,7 +126,7 @@ class EngineLoop:
             self._out.close(linger=1000)
 
     def _start_engine(self) -> None:
-        engine = self._engine_factory()
+        engine = self._engine_factory(self._stop_requested.is_set)
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
@@ -157,15 +168,18 @@ class EngineLoop:
 
     def _warm_up(self) -> None:
         """A prefill per slot, then a decode step of each batch size (a GPU backend captures
-        its step graph per batch size), before `ready`."""
+        its step graph per batch size), before `ready`; LoadCancelled between steps when
+        asked to stop."""
         engine = self.engine
         token = engine.tokenizer.bos_id if engine.tokenizer and engine.tokenizer.bos_id else 0
         n_slots = engine.slots.n_slots
         sessions = [engine.open_session([token], max_tokens=n_slots + 1) for _ in range(n_slots)]
         try:
             for session in sessions:
+                self._check_stop()
                 engine.prefill(session)
             for size in range(n_slots, 0, -1):
+                self._check_stop()
                 running = [s for s in sessions if not s.finished][:size]
                 if len(running) == size:  # a session may have ended early (EOS, context)
                     engine.decode(running)
@@ -173,6 +187,10 @@ class EngineLoop:
             for session in sessions:
                 engine.close_session(session)
         self._reset_runtime_stats()
+
+    def _check_stop(self) -> None:
+        if self._stop_requested.is_set():
+            raise LoadCancelled("warm-up stopped: asked to stop")
 
     def _loop(self) -> None:
         policy, lifecycle = self._policy, self._lifecycle
@@ -208,6 +226,9 @@ class EngineLoop:
             while True:
                 if job is None:
                     self._stopping = True
+                elif isinstance(job, PeerGone):
+                    self._lifecycle.peer_gone(job)
+                    self._flush()
                 else:
                     self._lifecycle.start(job)
                     self._flush()
@@ -259,7 +280,7 @@ class EngineLoop:
                 job = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if isinstance(job, Job):
                 jobs.append(job)
         for job in jobs:
             try:

@@ -5,18 +5,23 @@ moment the I/O thread accepts it until its final reply. `JobState` and the
 outcomes (`Finished`, `Failed`, `Cancelled`, `Closed`) are the vocabulary of
 its end; lifecycle.py holds the state machine that uses them.
 
-`JobBoard` is the state both threads share, under one lock: session slots
-reserved (so a full daemon answers `busy` at once), which client owns which
-session, and the requests in flight (so `abort` is answered at once, by
-flagging the job for the engine thread to end).
+`JobBoard` is the state both threads share, under one lock: which client owns
+which session, and the requests in flight (so `abort` is answered at once, by
+flagging the job for the engine thread to end, from the moment the job is
+accepted). Session slots are counted in one place only, the engine's slot
+allocator (engine/kv_cache.py), which the board shares: a job that will open a
+session takes a real slot when it is accepted (so a full daemon answers `busy`
+at once) and holds it until its session takes it over or the job ends.
 """
 
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from rocforge_rt.engine.kv_cache import SlotAllocator
 from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import RequestTimer
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
 
@@ -59,6 +64,7 @@ class Job:
     envelope: tuple[bytes, ...]  # routing frames: the peer's identity (and a REQ delimiter)
     received: float  # perf_counter() at receipt
     cancel: CancelCause | None = None  # set by the I/O thread
+    slot: int | None = None  # a KV slot taken at admission, until its session takes it over
     # engine-thread state
     state: JobState = JobState.QUEUED
     session_id: int | None = None  # the session it runs on, once started
@@ -86,6 +92,14 @@ class Job:
     def opens_session(self) -> bool:
         """An open or a one-shot generate: it reserves a session slot when it is accepted."""
         return self.request.turn is not None and self.request.op != "append"
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """The engine thread's notice that a client's connection closed (daemon.py sends it)."""
+
+    peer: bytes
+    keep_sessions: bool  # it named its own routing id: it may come back for its sessions
 
 
 # --- outcomes: how a job ends (lifecycle.Lifecycle.end takes one) --------------------------------
@@ -124,16 +138,16 @@ Outcome = Finished | Failed | Cancelled | Closed
 
 
 class JobBoard:
-    """Slots, session owners and in-flight requests, shared by the I/O and engine threads.
+    """Session owners and in-flight requests, shared by the I/O and engine threads.
 
-    A session slot is held either by a job that will open a session (from `admit` until
-    `session_opened` or `retire`) or by an open session (until `session_closed`).
+    A session slot is the slot allocator's; its holder is either a job that will open a
+    session (`job.slot`, from `admit` until `session_opened` or `retire`) or an open
+    session (until the engine closes it). The board keeps no count of its own.
     """
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, slots: SlotAllocator) -> None:
         self._lock = threading.Lock()
-        self._n_slots = n_slots
-        self._reserved: set[Job] = set()  # jobs holding a slot for the session they will open
+        self._slots = slots
         self._owners: dict[int, bytes] = {}  # open session -> the peer that opened it
         self._by_id: dict[tuple[bytes, int | str], Job] = {}
         self._jobs: set[Job] = set()
@@ -148,29 +162,34 @@ class JobBoard:
                     ErrorCode.BAD_REQUEST, f"request id {job.request.id!r} is already in flight"
                 )
             if job.opens_session:
-                if len(self._reserved) + len(self._owners) >= self._n_slots:
-                    raise ProtocolError(ErrorCode.BUSY, "every session slot is in use; retry later")
-                self._reserved.add(job)
+                try:
+                    job.slot = self._slots.acquire()
+                except EngineError:
+                    raise ProtocolError(
+                        ErrorCode.BUSY, "every session slot is in use; retry later"
+                    ) from None
             if job.request.id is not None:
                 self._by_id[key] = job
             self._jobs.add(job)
 
     def retire(self, job: Job) -> None:
-        """Take an ended job off the board; a slot it reserved and never used goes back."""
+        """Take an ended job off the board; a slot it took and no session took over goes back."""
         with self._lock:
             self._jobs.discard(job)
-            self._reserved.discard(job)
             if self._by_id.get((job.peer, job.request.id)) is job:
                 del self._by_id[(job.peer, job.request.id)]
+            slot, job.slot = job.slot, None
+        if slot is not None:
+            self._slots.release(slot)
 
     def session_opened(self, job: Job, session_id: int) -> None:
-        """The slot `job` reserved is now its session's, owned by the job's peer."""
+        """The slot `job` took is now its session's (closing the session gives it back); the
+        session is owned by the job's peer."""
         with self._lock:
-            self._reserved.discard(job)
+            job.slot = None
             self._owners[session_id] = job.peer
 
     def session_closed(self, session_id: int) -> None:
-        """The session's slot goes back."""
         with self._lock:
             self._owners.pop(session_id, None)
 
@@ -186,24 +205,33 @@ class JobBoard:
         request: int | str | None = None,
         session: int | None = None,
     ) -> bool:
-        """Flag the peer's request with that id, or its request on that session."""
+        """Flag the peer's request with that id, or its requests on that session: from their
+        acceptance for those that name it (step, generate, append), once it is open for
+        those that open it. A `close` is not flagged: it ends what runs on its session."""
         with self._lock:
             if request is not None:
-                target = self._by_id.get((peer, request))
+                found = self._by_id.get((peer, request))
+                targets = [] if found is None else [found]
             else:
-                target = next(
-                    (j for j in self._jobs if j.peer == peer and j.session_id == session), None
-                )
-            if target is None or target.state is JobState.ENDED:
-                return False
-            target.cancel = target.cancel or cause
-            return True
+                targets = [
+                    j
+                    for j in self._jobs
+                    if j.peer == peer
+                    and j.request.op != "close"
+                    and session in (j.request.session, j.session_id)
+                ]
+            targets = [j for j in targets if j.state is not JobState.ENDED]
+            for job in targets:
+                job.cancel = job.cancel or cause
+            return bool(targets)
 
-    def cancel_peer(self, peer: bytes, cause: CancelCause) -> None:
+    def cancel_peer(self, peer: bytes, cause: CancelCause) -> bool:
+        """Flag every request of the peer; whether it had any, or any session open."""
         with self._lock:
-            for job in self._jobs:
-                if job.peer == peer:
-                    job.cancel = job.cancel or cause
+            mine = [job for job in self._jobs if job.peer == peer]
+            for job in mine:
+                job.cancel = job.cancel or cause
+            return bool(mine) or peer in self._owners.values()
 
     def cancel_all(self, cause: CancelCause) -> None:
         with self._lock:
@@ -212,4 +240,8 @@ class JobBoard:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {"in_flight": len(self._jobs), "sessions": len(self._owners)}
+            return {
+                "in_flight": len(self._jobs),
+                "sessions": len(self._owners),
+                "slots_free": self._slots.free,
+            }

@@ -29,8 +29,8 @@ What `end` releases, once each:
 | ------------------------------------------- | -------------------------------------------- |
 | its place in the prefill or decode queue    | left                                         |
 | its board entry (in flight, its request id) | removed                                      |
-| the slot it reserved (open, one-shot        | back to the pool; or, once it opened its     |
-| generate)                                   | session, the session's until that closes     |
+| the KV slot it took when accepted (open,    | back to the allocator; or, once it opened    |
+| one-shot generate)                          | its session, the session's until that closes |
 | the session it opened                       | closed for a one-shot generate, and for an   |
 |                                             | open that ends before its first token        |
 | any other session it ran on                 | stays open, idle from now                    |
@@ -39,8 +39,11 @@ Ending a job that has already ended does nothing (no second reply, nothing
 released twice): `end` returns False.
 
 Closing a session (`close_session`) is a separate operation, for the client's
-`close`, the idle reaper and shutdown: the session's KV slot goes back to the
-engine and the board. A job running on the session is ended first.
+`close`, the idle reaper, a client's vanishing (`peer_gone`) and shutdown: the
+session's KV slot goes back to the engine's allocator. A job running on the
+session is ended first (abort_reason `close`, or `disconnect`); when that job had
+opened the session (a one-shot generate, an open still in prefill), its end
+closes the session, and the close does not close it again.
 """
 
 import logging
@@ -65,6 +68,7 @@ from rocforge_rt.server.jobs import (
     JobState,
     Limits,
     Outcome,
+    PeerGone,
 )
 from rocforge_rt.server.policy import Emit, StepPolicy
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, ok_reply
@@ -138,10 +142,10 @@ class Lifecycle:
     def _open(self, job: Job) -> None:
         turn = job.request.turn
         ids = prompt_ids(self.engine.tokenizer, turn.prompt, first_turn=True)
-        args = turn_args(self.limits, turn, ids)
-        session = self.engine.open_session(ids, **args)
+        args = turn_args(self.limits, self.engine.hparams.n_vocab, turn, ids)
+        session = self.engine.open_session(ids, slot=job.slot, **args)  # None: it takes one
+        self.board.session_opened(job, session.session_id)  # the slot is the session's now
         self.sessions[session.session_id] = OpenSession(session, job.peer, time.perf_counter(), job)
-        self.board.session_opened(job, session.session_id)
         job.session_id = session.session_id
         self._queue_prefill(job, len(ids))
 
@@ -149,7 +153,7 @@ class Lifecycle:
         live = self._owned(job, idle=True)
         turn = job.request.turn
         ids = prompt_ids(self.engine.tokenizer, turn.prompt, first_turn=False)
-        args = turn_args(self.limits, turn, ids)
+        args = turn_args(self.limits, self.engine.hparams.n_vocab, turn, ids)
         session = live.session
         check_room(self.limits, self.engine.hparams.n_vocab, session, ids)
         if not session.finished:  # a new turn ends the one still running
@@ -180,10 +184,11 @@ class Lifecycle:
 
     def _close(self, job: Job) -> None:
         live = self._owned(job, idle=False)
-        if live.job is not None:
+        if live.job is not None:  # its end closes the session when that job opened it
             self.end(live.job, Cancelled(CancelCause.CLOSE))
         context_tokens = live.session.n_context
-        self.close_session(live)
+        if self.sessions.get(live.session.session_id) is live:
+            self.close_session(live)
         self.end(job, Closed(context_tokens))
 
     def _owned(self, job: Job, *, idle: bool) -> OpenSession:
@@ -278,6 +283,18 @@ class Lifecycle:
         self.engine.close_session(live.session)
         del self.sessions[session_id]
         self.board.session_closed(session_id)
+
+    def peer_gone(self, notice: PeerGone) -> None:
+        """A client's connection closed: end the jobs running on its sessions (its others were
+        flagged by the I/O thread and end at their start or next step), then close its
+        sessions, unless it may come back for them (`keep_sessions`: they wait for the idle
+        timeout)."""
+        for live in [s for s in self.sessions.values() if s.owner == notice.peer]:
+            if live.job is not None:
+                self.end(live.job, Cancelled(CancelCause.DISCONNECT))
+            if not notice.keep_sessions and self.sessions.get(live.session.session_id) is live:
+                log.info("closing session %d: its client disconnected", live.session.session_id)
+                self.close_session(live)
 
     def reap_idle(self, now: float) -> None:
         """Close sessions unused for --idle-timeout (their ids are remembered as expired)."""

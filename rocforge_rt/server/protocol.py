@@ -7,21 +7,29 @@ ranges, required and unknown fields) before anything else sees them; limits
 that depend on the daemon's configuration are checked by translate.py.
 """
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import msgpack
 
+from rocforge_rt.server.fields import (
+    Check,
+    ErrorCode,
+    ProtocolError,
+    boolean,
+    chat_messages,
+    field_error,
+    integer,
+    number,
+    request_id_field,
+    stop_strings,
+    string,
+    token_ids,
+)
+
 PROTOCOL_VERSION = 1
 
-MAX_ID_CHARS = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_MESSAGES = 256
-MAX_ROLE_CHARS = 64
 MAX_STEP_TOKENS = 4096
 MAX_TOKENS_FIELD = 1 << 24  # wire bound; the daemon's --max-new-tokens is the real limit
 MAX_DEADLINE_MS = 24 * 3600 * 1000
@@ -29,35 +37,10 @@ MAX_MAP_FIELDS = 64
 MAX_TRACE_STEPS = 1024
 MAX_STATS_RECORDS = 1000
 MAX_TIMER_EVERY = 1_000_000
+MAX_NESTING = 8  # containers within containers: a request needs 3 (map, messages, message)
 INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-class ErrorCode(StrEnum):
-    """Why a request failed (`error.code` of a reply)."""
-
-    BAD_REQUEST = "bad_request"  # malformed msgpack, not a map, wrong type or range, bad field
-    UNKNOWN_OP = "unknown_op"
-    UNKNOWN_SESSION = "unknown_session"  # never opened, closed, expired, or another client's
-    SESSION_BUSY = "session_busy"  # a request of this session is still running
-    TURN_FINISHED = "turn_finished"  # the session's turn has ended: append another one
-    BUSY = "busy"  # every session slot is taken
-    CONTEXT_FULL = "context_full"  # the turn does not fit in the session's context window
-    TOO_LARGE = "too_large"  # the request is larger than the daemon accepts
-    LIMIT_EXCEEDED = "limit_exceeded"  # over --max-prompt-tokens or --max-new-tokens
-    ABORTED = "aborted"  # aborted (or closed, or shut down) before it produced a token
-    DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed before it produced a token
-    NOT_READY = "not_ready"  # the daemon is still loading or warming up
-    SHUTTING_DOWN = "shutting_down"  # the daemon is stopping and takes no new work
-    INTERNAL = "internal"  # a bug: the request failed, the daemon and other sessions did not
-
-
-class ProtocolError(Exception):
-    """A request that gets an error reply with `code`."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+INT32_MAX = (1 << 31) - 1
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number: the device divides by temperature
 
 
 # --- the request types --------------------------------------------------------------------
@@ -108,136 +91,39 @@ class Request:
     every: int | None = None  # profile: the kernel timer times one step in `every`
 
 
-# --- field checks -------------------------------------------------------------------------
-Check = Callable[[str, Any], Any]
-
-
-def _field_error(name: str, expected: str, value: Any) -> ProtocolError:
-    found = "nil" if value is None else f"{type(value).__name__} {value!r:.60}"
-    return ProtocolError(
-        ErrorCode.BAD_REQUEST, f"field {name!r}: expected {expected}, found {found}"
-    )
-
-
-def _int(lo: int, hi: int) -> Check:
-    def check(name: str, value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise _field_error(name, f"an integer in [{lo}, {hi}]", value)
-        return value
-
-    return check
-
-
-def _float(lo: float, hi: float, *, open_lo: bool = False) -> Check:
-    def check(name: str, value: Any) -> float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-            ok = math.isfinite(value) and (lo < value if open_lo else lo <= value) and value <= hi
-        if not ok:
-            bound = "(" if open_lo else "["
-            raise _field_error(name, f"a number in {bound}{lo}, {hi}]", value)
-        return value
-
-    return check
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _field_error(name, "true or false", value)
-    return value
-
-
-def _str(max_chars: int) -> Check:
-    def check(name: str, value: Any) -> str:
-        if not isinstance(value, str) or len(value) > max_chars:
-            raise _field_error(name, f"a string of at most {max_chars} characters", value)
-        return value
-
-    return check
-
-
-def _request_id(name: str, value: Any) -> int | str:
-    if isinstance(value, str) and len(value) <= MAX_ID_CHARS:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _field_error(name, f"an integer or a string of at most {MAX_ID_CHARS} characters", value)
-
-
-def _is_token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
-
-
-def _tokens(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise _field_error(name, "a non-empty array of token ids", value)
-    for i, t in enumerate(value):
-        if not _is_token_id(t):
-            raise _field_error(f"{name}[{i}]", "a token id (an integer in [0, 2**31))", t)
-    return tuple(value)
-
-
-def _messages(name: str, value: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
-        raise _field_error(name, f"an array of 1 to {MAX_MESSAGES} messages", value)
-    out = []
-    for i, message in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(message, dict) or set(message) != {"role", "content"}:
-            raise _field_error(where, "a map with exactly 'role' and 'content'", message)
-        role = _str(MAX_ROLE_CHARS)(f"{where}.role", message["role"])
-        content = message["content"]
-        if not isinstance(content, str):
-            raise _field_error(f"{where}.content", "a string", content)
-        out.append((role, content))
-    return tuple(out)
-
-
-def _stop(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS:
-        raise _field_error(
-            name, f"a string or an array of at most {MAX_STOP_STRINGS} strings", value
-        )
-    check = _str(MAX_STOP_CHARS)
-    return tuple(check(f"{name}[{i}]", s) for i, s in enumerate(value))
-
-
-_SESSION = _int(1, INT64[1])
+_SESSION = integer(1, INT64[1])
 _PROMPT_FIELDS: dict[str, Check] = {
-    "prompt": _str(1 << 30),
-    "tokens": _tokens,
-    "messages": _messages,
+    "prompt": string(1 << 30),
+    "tokens": token_ids,
+    "messages": chat_messages,
 }
 _TURN_FIELDS: dict[str, Check] = {
     **_PROMPT_FIELDS,
-    "temperature": _float(0.0, 100.0),
-    "top_k": _int(0, 1 << 31),
-    "top_p": _float(0.0, 1.0, open_lo=True),
-    "seed": _int(0, (1 << 64) - 1),
-    "logprobs": _int(0, 20),
-    "stop": _stop,
-    "max_tokens": _int(1, MAX_TOKENS_FIELD),
+    "temperature": number(FLOAT32_TINY, 100.0, or_zero=True),  # 0: greedy
+    "top_k": integer(0, INT32_MAX),  # translate.py: at most the vocabulary
+    "top_p": number(FLOAT32_TINY, 1.0),
+    "seed": integer(0, (1 << 64) - 1),
+    "logprobs": integer(0, 20),
+    "stop": stop_strings,
+    "max_tokens": integer(1, MAX_TOKENS_FIELD),
 }
 _COMMON: dict[str, Check] = {
-    "op": _str(32),
-    "id": _request_id,
-    "deadline_ms": _float(0.0, MAX_DEADLINE_MS, open_lo=True),
+    "op": string(32),
+    "id": request_id_field,
+    "deadline_ms": number(0.0, MAX_DEADLINE_MS, open_lo=True),
 }
 OPS: dict[str, dict[str, Check]] = {
     "info": {},
     "health": {},
     "open": _TURN_FIELDS,
     "append": {"session": _SESSION, **_TURN_FIELDS},
-    "step": {"session": _SESSION, "n": _int(1, MAX_STEP_TOKENS)},
+    "step": {"session": _SESSION, "n": integer(1, MAX_STEP_TOKENS)},
     "generate": {"session": _SESSION, **_TURN_FIELDS},
-    "abort": {"session": _SESSION, "request": _request_id},
+    "abort": {"session": _SESSION, "request": request_id_field},
     "close": {"session": _SESSION},
-    "stats": {"reset": _bool, "records": _int(0, MAX_STATS_RECORDS)},
-    "trace": {"steps": _int(1, MAX_TRACE_STEPS)},
-    "profile": {"launches": _bool, "kernels": _bool, "every": _int(1, MAX_TIMER_EVERY)},
+    "stats": {"reset": boolean, "records": integer(0, MAX_STATS_RECORDS)},
+    "trace": {"steps": integer(1, MAX_TRACE_STEPS)},
+    "profile": {"launches": boolean, "kernels": boolean, "every": integer(1, MAX_TIMER_EVERY)},
 }
 _REQUIRED = {"append": ("session",), "step": ("session",), "close": ("session",)}
 
@@ -250,7 +136,7 @@ def unpack(payload: bytes, max_bytes: int) -> Any:
             ErrorCode.TOO_LARGE, f"request of {len(payload)} bytes exceeds the limit of {max_bytes}"
         )
     try:
-        return msgpack.unpackb(
+        obj = msgpack.unpackb(
             payload,
             raw=False,
             strict_map_key=True,
@@ -260,15 +146,39 @@ def unpack(payload: bytes, max_bytes: int) -> Any:
             max_map_len=MAX_MAP_FIELDS,
             max_ext_len=0,
         )
-    except Exception as exc:  # msgpack raises many types (ExtraData, StackError, ValueError...)
+    except msgpack.StackError:
+        raise _too_deep() from None
+    except Exception as exc:  # msgpack raises many types (ExtraData, ValueError...)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed msgpack: {exc}") from None
+    if _nested_deeper(obj, MAX_NESTING):
+        raise _too_deep()
+    return obj
+
+
+def _too_deep() -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.BAD_REQUEST,
+        f"malformed request: values nested deeper than {MAX_NESTING} levels",
+    )
+
+
+def _nested_deeper(obj: Any, limit: int) -> bool:
+    """Whether arrays and maps nest deeper than `limit` (a loop: a deep value cannot recurse)."""
+    stack = [(obj, 1)] if isinstance(obj, list | dict) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, list | dict))
+    return False
 
 
 def request_id(obj: Any) -> int | str | None:
     """The id to echo in the reply: the request's `id` when it is a valid one, else None."""
     if isinstance(obj, dict):
         try:
-            return _request_id("id", obj.get("id"))
+            return request_id_field("id", obj.get("id"))
         except ProtocolError:
             return None
     return None
@@ -282,7 +192,7 @@ def parse_request(obj: Any) -> Request:
         )
     op = obj.get("op")
     if not isinstance(op, str):
-        raise _field_error("op", "a string naming the operation", op)
+        raise field_error("op", "a string naming the operation", op)
     if op not in OPS:
         raise ProtocolError(
             ErrorCode.UNKNOWN_OP, f"unknown op {op[:40]!r}; ops are: {', '.join(OPS)}"

@@ -45,8 +45,9 @@ def prompt_ids(tokenizer: Tokenizer | None, prompt: Prompt, *, first_turn: bool)
     return tokenizer.encode(prompt.text, add_bos=None if first_turn else False)
 
 
-def turn_args(limits: Limits, turn: Turn, ids: list[int]) -> dict[str, Any]:
-    """The keyword arguments of `Engine.open_session`/`append` for a turn, within the limits.
+def turn_args(limits: Limits, n_vocab: int, turn: Turn, ids: list[int]) -> dict[str, Any]:
+    """The keyword arguments of `Engine.open_session`/`append` for a turn, within the limits
+    and the model's vocabulary.
 
     EngineError (INVALID_ARGUMENT) for sampling parameters the engine refuses.
     """
@@ -71,6 +72,11 @@ def turn_args(limits: Limits, turn: Turn, ids: list[int]) -> dict[str, Any]:
             " (--max-new-tokens)",
         )
     s = turn.sampling
+    if s.top_k > n_vocab:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"field 'top_k': expected at most the vocabulary's {n_vocab} tokens, found {s.top_k}",
+        )
     sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, s.logprobs)
     return {"sampling": sampling, "stop": turn.stop, "max_tokens": max_tokens}
 

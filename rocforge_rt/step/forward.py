@@ -91,21 +91,33 @@ class ForwardOps(Protocol):
     def lm_head(self, x: Any, norm: Any, weight: Any, batch: StepBatch) -> Any: ...
 
 
-def upload_weights(model: ModelFile, uploader: WeightUploader) -> ModelWeights:
-    """Take a validated model's tensors into a backend, stacking Q|K|V and gate|up."""
-    layers = [
-        LayerWeights(
-            attn_norm=uploader.vector(model.layer(i, "attn_norm")),
-            wqkv=uploader.linear(
-                model.layer(i, "attn_q"), model.layer(i, "attn_k"), model.layer(i, "attn_v")
-            ),
-            wo=uploader.linear(model.layer(i, "attn_output")),
-            ffn_norm=uploader.vector(model.layer(i, "ffn_norm")),
-            wgate_up=uploader.linear(model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")),
-            wdown=uploader.linear(model.layer(i, "ffn_down")),
+def upload_weights(
+    model: ModelFile,
+    uploader: WeightUploader,
+    checkpoint: Callable[[], None] | None = None,
+) -> ModelWeights:
+    """Take a validated model's tensors into a backend, stacking Q|K|V and gate|up.
+
+    `checkpoint` is called before each layer's upload and before the embedding's: it may
+    raise to stop the upload there (a daemon stopping while it loads).
+    """
+    check = checkpoint or (lambda: None)
+    layers = []
+    for i in range(model.hparams.n_layer):
+        check()
+        layers.append(
+            LayerWeights(
+                attn_norm=uploader.vector(model.layer(i, "attn_norm")),
+                wqkv=uploader.linear(
+                    model.layer(i, "attn_q"), model.layer(i, "attn_k"), model.layer(i, "attn_v")
+                ),
+                wo=uploader.linear(model.layer(i, "attn_output")),
+                ffn_norm=uploader.vector(model.layer(i, "ffn_norm")),
+                wgate_up=uploader.linear(model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")),
+                wdown=uploader.linear(model.layer(i, "ffn_down")),
+            )
         )
-        for i in range(model.hparams.n_layer)
-    ]
+    check()
     token_embd = uploader.embedding(model.tensor("token_embd.weight"))
     lm_head = (
         token_embd
