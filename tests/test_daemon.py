@@ -412,7 +412,7 @@ def test_a_deadline_stops_the_work_of_a_request(slow_daemon: Daemon) -> None:
 def test_one_request_at_a_time_per_session(slow_daemon: Daemon) -> None:
     with connect(slow_daemon.endpoint, timeout=5) as client:
         opened = client.open(tokens=PROMPT, max_tokens=40)
-        rid = client.send("step", session=opened.session, n=20)
+        rid = client.send("step", session=opened.session, token=opened.token, n=20)
         with pytest.raises(SessionBusy):
             client.step(opened.session)
         assert len(client.receive(rid)["tokens"]) == 20
@@ -423,7 +423,7 @@ def test_closing_a_session_cuts_its_running_request(slow_daemon: Daemon) -> None
         opened = client.open(tokens=PROMPT, max_tokens=40)
         stream = client.generate(session=opened.session)
         next(stream)
-        rid = client.send("close", session=opened.session)
+        rid = client.send("close", session=opened.session, token=opened.token)
         last = list(stream)[-1]
         assert last.finish_reason == "abort" and last.abort_reason == "close"
         assert client.receive(rid)["closed"]

@@ -83,6 +83,8 @@ VALID = {
     "launches": st.booleans(),
     "kernels": st.booleans(),
     "every": st.integers(1, 64),
+    "token": st.text(max_size=32),  # never a session's: those are 128 random bits
+    "operator_key": st.text(max_size=8),
 }
 
 

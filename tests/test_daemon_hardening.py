@@ -168,13 +168,15 @@ def probe(peer: Peer, op: str, name: str, value: Any) -> str:
         fields = {"tokens": PROMPT, "max_tokens": 3}
     if op in ("append", "step") and name != "session":
         peer.request(op="open", id="setup", tokens=PROMPT, max_tokens=4)
-        own = fields["session"] = peer.until("setup")[-1]["session"]
+        setup = peer.until("setup")[-1]
+        own = fields["session"] = setup["session"]
+        token = fields["token"] = setup["token"]
     peer.request(op=op, id="probe", **{**fields, name: value})
     final = peer.until("probe")[-1]
     if op == "open" and final["ok"]:
-        own = final["session"]
+        own, token = final["session"], final["token"]
     if own is not None:
-        peer.request(op="close", id="cleanup", session=own)
+        peer.request(op="close", id="cleanup", session=own, token=token)
         assert peer.until("cleanup")[-1]["ok"]
     return "ok" if final["ok"] else final["error"]["code"]
 
@@ -217,10 +219,11 @@ def test_an_abort_sent_right_after_a_request_on_the_session_always_reaches_it(
             ends = []
             for trial in range(100):
                 peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
-                session = peer.until("open")[-1]["session"]
+                opened = peer.until("open")[-1]
+                session, token = opened["session"], opened["token"]
                 work = {"op": "step", "n": 4096} if trial % 2 else {"op": "generate"}
-                peer.request(id="work", session=session, **work)
-                peer.request(op="abort", id="abort", session=session)
+                peer.request(id="work", session=session, token=token, **work)
+                peer.request(op="abort", id="abort", session=session, token=token)
                 got = replies_to(peer, "work", "abort")
                 final = got["work"][-1]
                 ends.append(
@@ -228,7 +231,7 @@ def test_an_abort_sent_right_after_a_request_on_the_session_always_reaches_it(
                      (final.get("finish_reason"), final.get("abort_reason")) if final["ok"]
                      else final["error"]["code"])
                 )  # fmt: skip
-                peer.request(op="close", id="close", session=session)
+                peer.request(op="close", id="close", session=session, token=token)
                 assert peer.until("close")[-1]["ok"]
         finally:
             peer.close()
@@ -247,7 +250,7 @@ def test_closing_a_one_shot_generate_ends_it_with_finish_abort_and_frees_its_slo
             peer.request(op="generate", id="gen", tokens=PROMPT, max_tokens=40)
             first = peer.recv()
             assert first["ok"] and first["done"] is False
-            peer.request(op="close", id="close", session=first["session"])
+            peer.request(op="close", id="close", session=first["session"], token=first["token"])
             got = replies_to(peer, "gen", "close")
         finally:
             peer.close()
@@ -260,24 +263,30 @@ def test_closing_a_one_shot_generate_ends_it_with_finish_abort_and_frees_its_slo
         assert_every_slot_is_free(daemon.endpoint)
 
 
-def test_closing_an_open_still_in_prefill_ends_it_aborted_and_frees_its_slot_once(
+def test_an_open_still_in_prefill_cannot_be_closed_before_its_token_but_aborts_by_request_id(
     tiny_model: Path,
 ) -> None:
+    """Its token comes with its first token: until then a `close` of its session is refused
+    (server/lifecycle.py still ends such an open when its session closes: test_job_lifecycle);
+    an abort by request id ends it, and its slot is freed once."""
     with serving(tiny_model, slow()) as daemon:
         peer = Peer(daemon.endpoint)
         try:
             peer.request(op="open", id="probe", tokens=[1], max_tokens=1)
-            probe_session = peer.until("probe")[-1]["session"]
-            peer.request(op="close", id="c0", session=probe_session)
+            probe = peer.until("probe")[-1]
+            peer.request(op="close", id="c0", session=probe["session"], token=probe["token"])
             assert peer.until("c0")[-1]["ok"]
             peer.request(op="open", id="long", tokens=LONG_PROMPT)  # 12 chunks: a while
             time.sleep(0.1)
-            peer.request(op="close", id="close", session=probe_session + 1)  # ids count up
-            got = replies_to(peer, "long", "close")
+            session = probe["session"] + 1  # ids count up
+            peer.request(op="close", id="close", session=session, token=probe["token"])
+            assert peer.until("close")[-1]["error"]["code"] == "unknown_session"
+            peer.request(op="abort", id="abort", request="long")
+            got = replies_to(peer, "long", "abort")
         finally:
             peer.close()
         assert got["long"][-1]["error"]["code"] == "aborted", got["long"]
-        assert got["close"][0]["ok"] and got["close"][0]["closed"] is True, got["close"]
+        assert got["abort"][0]["aborted"] is True
         assert_every_slot_is_free(daemon.endpoint)
 
 
@@ -291,18 +300,19 @@ def decode_steps(endpoint: str) -> int:
     return steps.get("decode", {}).get("steps", 0)
 
 
-def vanish_during_a_long_step(endpoint: str, routing_id: bytes | None = None) -> int:
+def vanish_during_a_long_step(endpoint: str, routing_id: bytes | None = None) -> tuple[int, str]:
     """A DEALER opens a session, sends `step n=800` and closes at once (linger 0); the
-    session's id."""
+    session's id and token."""
     peer = Peer(endpoint, routing_id=routing_id)
     try:
         peer.request(op="open", id="open", tokens=PROMPT, max_tokens=240)
-        session = peer.until("open")[-1]["session"]
-        peer.request(op="step", id="step", session=session, n=800)
+        opened = peer.until("open")[-1]
+        session, token = opened["session"], opened["token"]
+        peer.request(op="step", id="step", session=session, token=token, n=800)
         time.sleep(0.2)  # a few decode steps in
     finally:
         peer.close()
-    return session
+    return session, token
 
 
 def test_the_peer_watch_names_exactly_the_peers_whose_connection_closed() -> None:
@@ -362,15 +372,15 @@ def test_a_vanished_client_with_its_own_routing_id_keeps_its_sessions_until_it_c
     tiny_model: Path,
 ) -> None:
     with serving(tiny_model, slow(0.002), **LONG_TURN) as daemon:
-        session = vanish_during_a_long_step(daemon.endpoint, routing_id=b"client-7")
+        session, token = vanish_during_a_long_step(daemon.endpoint, routing_id=b"client-7")
         with connect(daemon.endpoint, timeout=5) as client:
             wait_for(lambda: client.health()["in_flight"] == 0, timeout=2.0)
             assert client.health()["sessions"] == 1  # it may come back under its name
         back = Peer(daemon.endpoint, routing_id=b"client-7")
         try:
-            back.request(op="step", id="again", session=session)
+            back.request(op="step", id="again", session=session, token=token)
             assert back.until("again")[-1]["error"]["code"] == "turn_finished"  # was cut
-            back.request(op="close", id="close", session=session)
+            back.request(op="close", id="close", session=session, token=token)
             assert back.until("close")[-1]["closed"] is True
         finally:
             back.close()

@@ -51,7 +51,11 @@ class Rig:
         self.accepted: list[Job] = []
 
     def accept(self, op: str, **fields: Any) -> Job:
-        """A request as the I/O thread takes it: parsed, admitted to the board."""
+        """A request as the I/O thread takes it: parsed, admitted to the board (with the
+        session's token, as its client holds it, unless `token` is given)."""
+        live = self.lifecycle.sessions.get(fields.get("session"))
+        if live is not None and "token" not in fields:
+            fields["token"] = live.owner.token
         request = parse_request({"op": op, "id": next(self._ids), **fields})
         job = Job(request, (PEER,), time.perf_counter())
         self.board.admit(job)
@@ -263,11 +267,15 @@ def test_closing_an_idle_session_gives_its_slot_back_and_makes_no_reply(rig: Rig
 def test_idle_sessions_are_closed_and_remembered_as_expired(engine: Engine) -> None:
     rig = Rig(engine, dataclasses.replace(LIMITS, idle_timeout_s=0.01))
     session = rig.open_session()
+    token = rig.lifecycle.sessions[session].owner.token
     rig.lifecycle.reap_idle(time.perf_counter() + 1.0)
     assert rig.holds_nothing()
-    rig.start("step", session=session)
+    rig.start("step", session=session, token=token)
     (reply,) = rig.replies()
     assert reply["error"]["code"] == "unknown_session" and "expired" in reply["error"]["message"]
+    rig.start("step", session=session)  # without its token: told nothing about it
+    (reply,) = rig.replies()
+    assert reply["error"]["code"] == "unknown_session" and "expired" not in str(reply)
 
 
 # --- engine refusals and the one count of slots ---------------------------------------------------

@@ -28,7 +28,7 @@ def test_error_codes_are_the_documented_strings() -> None:
     assert {c.value for c in ErrorCode} == {
         "bad_request", "unknown_op", "unknown_session", "session_busy", "turn_finished", "busy",
         "context_full", "too_large", "limit_exceeded", "aborted", "deadline_exceeded",
-        "not_ready", "shutting_down", "internal",
+        "not_ready", "shutting_down", "internal", "forbidden",
     }  # fmt: skip
 
 

@@ -42,6 +42,8 @@ class DaemonConfig:
     max_request_bytes: int = 1 << 20
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     curve_keys: Path | None = None
+    max_sessions_per_client: int | None = None  # None: --max-sessions (no extra limit)
+    operator_key: str | None = None  # stats reset, trace, profile off loopback; None: refused
 
 
 def _mib(n: int) -> str:
@@ -79,6 +81,11 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         (config.idle_timeout_s > 0, f"--idle-timeout must be > 0, got {config.idle_timeout_s}"),
         (config.prefill_chunk >= 1, f"prefill chunk must be >= 1, got {config.prefill_chunk}"),
         (config.max_request_bytes >= 1024, "max request bytes must be >= 1024"),
+        (
+            config.max_sessions_per_client is None or config.max_sessions_per_client >= 1,
+            f"--max-sessions-per-client must be >= 1, got {config.max_sessions_per_client}",
+        ),
+        (config.operator_key != "", "--operator-key must not be empty"),
     )
     for ok, message in checks:
         if not ok:

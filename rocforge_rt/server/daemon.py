@@ -5,7 +5,8 @@ request (bounded frames, ZMQ_MAXMSGSIZE, unpacker limits), validates it,
 answers `health`, `info`, `abort`, `stats` and `trace` itself, hands engine
 work to the engine thread (engine_loop.py), and forwards that thread's replies.
 It never waits on the engine, so it answers during a long prefill. The two
-threads share the job board (jobs.py).
+threads share the job board (jobs.py). Sessions answer to their token, never to a
+routing id; off loopback the operator ops need the operator key (access.py).
 
 Start-up: the bind address and memory budget (config.py) are checked before
 anything binds; the socket then goes live (`health` says live, not ready)
@@ -34,19 +35,24 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.server import protocol, queries
+from rocforge_rt.server.access import operator_allowed
 from rocforge_rt.server.config import DaemonConfig, ServerError, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
 from rocforge_rt.server.peers import PeerWatch, generated_routing_id, source_fd
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
-from rocforge_rt.server.security import check_bind, secure_server
+from rocforge_rt.server.security import check_bind, is_loopback_endpoint, secure_server
+from rocforge_rt.server.translate import check_prompt_bytes
 
 log = logging.getLogger("rocforge.server")
 
 POLL_MS = 100  # how often the I/O loop looks at the stop flag when idle
 MAX_READS_PER_POLL = 64  # requests read before replies are forwarded again
 MAX_FRAMES = 3  # identity, optional empty delimiter (REQ clients), payload
-SEND_HWM = 100_000  # replies queued per client before it counts as gone
+DRAIN_FRAMES_PER_POLL = 10_000  # frames beyond those of a message dropped per loop iteration
+SEND_HWM = 1000  # replies queued per client (beside the kernel's socket buffer) before it
+# counts as gone: a client that never reads pins at most this many replies
+MAX_SLOW_PEERS_LOGGED = 4096
 LINGER_MS = 1000
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 10_000
@@ -68,7 +74,8 @@ class Daemon:
         found = plan(config, engine_hook)
         self.limits = found.limits
         self.config = config
-        self.board = JobBoard(found.slots)  # the engine's slots: one count
+        self.board = JobBoard(found.slots, config.max_sessions_per_client)  # the engine's slots
+        self._loopback = is_loopback_endpoint(config.bind)
         self.latency = LatencyRecorder()
         self._draining = False
         self.error: Exception | None = None
@@ -80,6 +87,9 @@ class Daemon:
         self._router = self._context.socket(zmq.ROUTER)
         self._replies = self._context.socket(zmq.PULL)
         self._watch: PeerWatch | None = None
+        self._mid_message = False  # dropping the frames a message has beyond a request's
+        self._sink = bytearray(64)  # what they are read into (truncated), never kept
+        self._slow_peers: set[bytes] = set()  # clients dropped for not reading (logged once)
         try:
             self._configure_router()
             self._watch = PeerWatch(self._router)
@@ -196,12 +206,12 @@ class Daemon:
         poller.register(self._replies, zmq.POLLIN)
         poller.register(self._watch.socket, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(POLL_MS))
+            events = dict(poller.poll(0 if self._mid_message else POLL_MS))
             if self._replies in events and self._forward_replies():
                 return  # the engine thread has stopped and every reply is out
             if self._watch.socket in events:
                 self._peers_gone(self._watch.events())
-            if self._router in events:
+            if self._router in events or self._mid_message:
                 self._read_requests()
             if not self._draining and (
                 self._stop_requested.is_set() or self.engine_loop.failure is not None
@@ -229,7 +239,21 @@ class Daemon:
             if exc.errno == zmq.EHOSTUNREACH:
                 self._peers_gone([frames[0]])
             else:
+                self._slow_peer(frames[0])
                 self.board.cancel_peer(frames[0], CancelCause.DISCONNECT)
+
+    def _slow_peer(self, peer: bytes) -> None:
+        if peer in self._slow_peers:
+            return
+        if len(self._slow_peers) >= MAX_SLOW_PEERS_LOGGED:
+            self._slow_peers.clear()
+        self._slow_peers.add(peer)
+        log.warning(
+            "client %s does not read its replies (%d queued): its replies are dropped and its"
+            " requests stopped",
+            peer.hex(),
+            SEND_HWM,
+        )
 
     def _peers_gone(self, peers: list[bytes]) -> None:
         """Their connections closed: cut their requests now (the engine thread ends them at
@@ -244,6 +268,8 @@ class Daemon:
         self._send([*envelope, protocol.pack(reply)])
 
     def _read_requests(self) -> None:
+        if self._mid_message and not self._drop_frames():
+            return
         for _ in range(MAX_READS_PER_POLL):
             try:
                 first = self._router.recv(zmq.NOBLOCK, copy=False)
@@ -252,18 +278,41 @@ class Daemon:
             frames = [first.bytes]
             self._peers_gone(self._watch.events())  # every event before this message
             alive = self._watch.arrived(frames[0], source_fd(first))
-            extra = 0
-            while self._router.rcvmore:
-                part = self._router.recv()
-                if len(frames) < MAX_FRAMES:
-                    frames.append(part)
-                else:
-                    extra += 1
-            self._on_message(frames, extra, time.perf_counter())
+            while self._router.rcvmore and len(frames) < MAX_FRAMES:
+                frames.append(self._router.recv())
+            extra = int(self._router.rcvmore)  # more frames than any request has: refused
+            self._on_message(frames, extra, time.perf_counter(), self._user(first))
             if not alive:  # it was sent before its connection closed
                 self._peers_gone([frames[0]])
+            if extra:
+                self._mid_message = True
+                if not self._drop_frames():
+                    return  # the rest in the next iterations, replies forwarded between
 
-    def _on_message(self, frames: list[bytes], extra: int, received: float) -> None:
+    def _drop_frames(self) -> bool:
+        """Read and drop the rest of a message with too many frames, a bounded number per
+        call, into one small buffer (ZeroMQ gives no way past a message's frames but to read
+        them: about 2 us each); True once the message is over."""
+        router, sink = self._router, self._sink
+        for _ in range(DRAIN_FRAMES_PER_POLL):
+            if not router.rcvmore:
+                self._mid_message = False
+                return True
+            router.recv_into(sink)
+        return False
+
+    def _user(self, frame: zmq.Frame) -> str | None:
+        """The CURVE public key (z85) the authenticator gave the sender; None without CURVE."""
+        if self._auth is None:
+            return None
+        try:
+            return frame.get("User-Id") or None
+        except zmq.ZMQError:
+            return None
+
+    def _on_message(
+        self, frames: list[bytes], extra: int, received: float, user: str | None = None
+    ) -> None:
         if len(frames) == 2:
             envelope = (frames[0],)
         elif len(frames) == 3 and not extra and frames[1] == b"":
@@ -275,7 +324,7 @@ class Daemon:
                     None,
                     ErrorCode.BAD_REQUEST,
                     "a request is one msgpack frame (DEALER) or an empty frame and one msgpack"
-                    f" frame (REQ); got {len(frames) - 1 + extra} frames",
+                    f" frame (REQ); got {'more than ' if extra else ''}{len(frames) - 1} frames",
                 ),
             )
             return
@@ -284,7 +333,7 @@ class Daemon:
             obj = protocol.unpack(frames[-1], self.config.max_request_bytes)
             rid = protocol.request_id(obj)
             request = protocol.parse_request(obj)
-            self._dispatch(Job(request, envelope, received))
+            self._dispatch(Job(request, envelope, received, user=user))
         except ProtocolError as exc:
             self._reply(envelope, error_reply(rid, exc.code, exc.message))
         except Exception as exc:  # a bug: fail this request, keep serving everyone else
@@ -302,18 +351,33 @@ class Daemon:
             raise ProtocolError(ErrorCode.NOT_READY, "the model is loading; ask `health`")
         if state is State.DRAINING:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if self._operator_op(request) and not operator_allowed(
+            loopback=self._loopback, configured=self.config.operator_key, given=request.operator_key
+        ):
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN,
+                f"op {request.op!r}{' with reset' if request.op == 'stats' else ''} needs the"
+                " operator key (field 'operator_key') on a daemon bound beyond loopback",
+            )
         handler = {
             "info": self._info,
             "stats": lambda r: queries.stats(self.engine_loop, self.latency, r, self._uptime()),
             "trace": lambda r: queries.trace(self.engine_loop, r),
             "profile": lambda r: queries.profile(self.engine_loop, r),
-            "abort": lambda r: self._abort(job.peer, r),
+            "abort": lambda r: self._abort(job, r),
         }.get(request.op)
         if handler is not None:
             self._reply(job.envelope, ok_reply(request.id, **handler(request)))
             return
+        if request.turn is not None:  # a huge prompt never reaches the engine thread
+            check_prompt_bytes(self.limits, self.engine_loop.max_token_bytes, request.turn.prompt)
         self.board.admit(job)
         self.engine_loop.submit(job)
+
+    @staticmethod
+    def _operator_op(request: Request) -> bool:
+        """Ops that change the daemon's records or switches, or show its internals."""
+        return request.op in ("trace", "profile") or (request.op == "stats" and request.reset)
 
     def _health(self, state: State) -> dict[str, Any]:
         return {
@@ -340,15 +404,21 @@ class Daemon:
                 "idle_timeout_s": limits.idle_timeout_s,
                 "max_request_bytes": self.config.max_request_bytes,
                 "prefill_chunk": self.config.prefill_chunk,
+                "max_sessions_per_client": self.config.max_sessions_per_client
+                or limits.max_sessions,
             },
         }
 
-    def _abort(self, peer: bytes, request: Request) -> dict[str, Any]:
-        if request.session is not None and not self.board.owns(peer, request.session):
+    def _abort(self, job: Job, request: Request) -> dict[str, Any]:
+        """By request id: this client's own request; by session: with the session's token."""
+        if request.session is not None and not self.board.admits(
+            request.session, request.token, job.user
+        ):
             raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION, f"session {request.session} is not open for this client"
+                ErrorCode.UNKNOWN_SESSION,
+                f"session {request.session} is not open for this client (or its token is wrong)",
             )
         aborted = self.board.cancel(
-            peer, CancelCause.CLIENT, request=request.request, session=request.session
+            job.peer, CancelCause.CLIENT, request=request.request, session=request.session
         )
         return {"aborted": aborted}

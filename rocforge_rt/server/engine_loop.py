@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -36,6 +37,7 @@ from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
 from rocforge_rt.server.protocol import ErrorCode
 from rocforge_rt.server.replies import Outbox, usage_map
+from rocforge_rt.server.translate import max_token_bytes
 
 log = logging.getLogger("rocforge.server")
 
@@ -81,6 +83,7 @@ class EngineLoop:
         self.ready = threading.Event()
         self.failure: str | None = None
         self.info: dict[str, Any] = {}
+        self.max_token_bytes: int | None = None  # the vocabulary's longest token, in bytes
         self.usage: dict[str, Any] = {}
         self.runtime_stats: dict[str, Any] | None = None
 
@@ -135,6 +138,7 @@ class EngineLoop:
         self._warm_up()
         self.op_timer.reset()
         self.info = {**self._describe(), "warmup_ms": (time.perf_counter() - started) * 1000.0}
+        self.max_token_bytes = max_token_bytes(engine.tokenizer)
         self._lifecycle = Lifecycle(
             engine, self.limits, self._board, self._policy, self._latency, self._outbox
         )
@@ -147,7 +151,7 @@ class EngineLoop:
         hp = engine.hparams
         return {
             "model": {
-                "path": str(engine.model.path),
+                "path": Path(engine.model.path).name,  # the file name: no absolute path
                 "name": engine.model.metadata.get("general.name"),
                 "arch": hp.arch,
                 "n_layer": hp.n_layer,

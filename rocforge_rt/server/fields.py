@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"  # the daemon is still loading or warming up
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping and takes no new work
     INTERNAL = "internal"  # a bug: the request failed, the daemon and other sessions did not
+    FORBIDDEN = "forbidden"  # an operator op off loopback without the operator key
 
 
 class ProtocolError(Exception):

@@ -11,7 +11,9 @@ flagging the job for the engine thread to end, from the moment the job is
 accepted). Session slots are counted in one place only, the engine's slot
 allocator (engine/kv_cache.py), which the board shares: a job that will open a
 session takes a real slot when it is accepted (so a full daemon answers `busy`
-at once) and holds it until its session takes it over or the job ends.
+at once) and holds it until its session takes it over or the job ends. A session
+belongs to the holder of its token (access.py); the board also counts the sessions
+each client opened, for --max-sessions-per-client.
 """
 
 import threading
@@ -23,6 +25,7 @@ from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import RequestTimer
+from rocforge_rt.server.access import Owner, new_token
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
 
 
@@ -65,6 +68,8 @@ class Job:
     received: float  # perf_counter() at receipt
     cancel: CancelCause | None = None  # set by the I/O thread
     slot: int | None = None  # a KV slot taken at admission, until its session takes it over
+    user: str | None = None  # the client's CURVE public key (z85); None without CURVE
+    token: str | None = None  # the token of the session it opened, until its first reply
     # engine-thread state
     state: JobState = JobState.QUEUED
     session_id: int | None = None  # the session it runs on, once started
@@ -145,10 +150,11 @@ class JobBoard:
     session (until the engine closes it). The board keeps no count of its own.
     """
 
-    def __init__(self, slots: SlotAllocator) -> None:
+    def __init__(self, slots: SlotAllocator, max_sessions_per_client: int | None = None) -> None:
         self._lock = threading.Lock()
         self._slots = slots
-        self._owners: dict[int, bytes] = {}  # open session -> the peer that opened it
+        self._quota = max_sessions_per_client  # None: only the slots limit
+        self._owners: dict[int, Owner] = {}  # open session -> who opened it (its token)
         self._by_id: dict[tuple[bytes, int | str], Job] = {}
         self._jobs: set[Job] = set()
 
@@ -162,6 +168,7 @@ class JobBoard:
                     ErrorCode.BAD_REQUEST, f"request id {job.request.id!r} is already in flight"
                 )
             if job.opens_session:
+                self._check_quota(job)
                 try:
                     job.slot = self._slots.acquire()
                 except EngineError:
@@ -171,6 +178,27 @@ class JobBoard:
             if job.request.id is not None:
                 self._by_id[key] = job
             self._jobs.add(job)
+
+    def _check_quota(self, job: Job) -> None:
+        """`busy` when the job's client (routing id, or CURVE key) already has its quota of
+        sessions open or opening (call with the lock held)."""
+        if self._quota is None:
+            return
+        owners = self._owners.values()
+        opening = [j for j in self._jobs if j.slot is not None]  # slots not yet a session's
+        counts = [
+            sum(o.peer == job.peer for o in owners) + sum(j.peer == job.peer for j in opening)
+        ]
+        if job.user is not None:
+            counts.append(
+                sum(o.user == job.user for o in owners) + sum(j.user == job.user for j in opening)
+            )
+        if max(counts) >= self._quota:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"this client has {max(counts)} sessions open or opening, its quota"
+                f" (--max-sessions-per-client {self._quota}); close one or retry later",
+            )
 
     def retire(self, job: Job) -> None:
         """Take an ended job off the board; a slot it took and no session took over goes back."""
@@ -182,20 +210,25 @@ class JobBoard:
         if slot is not None:
             self._slots.release(slot)
 
-    def session_opened(self, job: Job, session_id: int) -> None:
+    def session_opened(self, job: Job, session_id: int) -> Owner:
         """The slot `job` took is now its session's (closing the session gives it back); the
-        session is owned by the job's peer."""
+        session gets a new token (the job's first reply carries it): its owner."""
+        owner = Owner(job.peer, new_token(), job.user)
         with self._lock:
             job.slot = None
-            self._owners[session_id] = job.peer
+            job.token = owner.token
+            self._owners[session_id] = owner
+        return owner
 
     def session_closed(self, session_id: int) -> None:
         with self._lock:
             self._owners.pop(session_id, None)
 
-    def owns(self, peer: bytes, session_id: int) -> bool:
+    def admits(self, session_id: int, token: str | None, user: str | None) -> bool:
+        """Whether that token (and CURVE key) may use the session."""
         with self._lock:
-            return self._owners.get(session_id) == peer
+            owner = self._owners.get(session_id)
+        return owner is not None and owner.admits(token, user)
 
     def cancel(
         self,
@@ -205,9 +238,10 @@ class JobBoard:
         request: int | str | None = None,
         session: int | None = None,
     ) -> bool:
-        """Flag the peer's request with that id, or its requests on that session: from their
-        acceptance for those that name it (step, generate, append), once it is open for
-        those that open it. A `close` is not flagged: it ends what runs on its session."""
+        """Flag the peer's request with that id, or the requests on that session (whoever sent
+        them: the caller checked the session's token): from their acceptance for those that
+        name it (step, generate, append), once it is open for those that open it. A `close`
+        is not flagged: it ends what runs on its session."""
         with self._lock:
             if request is not None:
                 found = self._by_id.get((peer, request))
@@ -216,9 +250,7 @@ class JobBoard:
                 targets = [
                     j
                     for j in self._jobs
-                    if j.peer == peer
-                    and j.request.op != "close"
-                    and session in (j.request.session, j.session_id)
+                    if j.request.op != "close" and session in (j.request.session, j.session_id)
                 ]
             targets = [j for j in targets if j.state is not JobState.ENDED]
             for job in targets:
@@ -231,7 +263,7 @@ class JobBoard:
             mine = [job for job in self._jobs if job.peer == peer]
             for job in mine:
                 job.cancel = job.cancel or cause
-            return bool(mine) or peer in self._owners.values()
+            return bool(mine) or any(o.peer == peer for o in self._owners.values())
 
     def cancel_all(self, cause: CancelCause) -> None:
         with self._lock:

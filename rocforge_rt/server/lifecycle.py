@@ -57,6 +57,7 @@ from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import LatencyRecorder
+from rocforge_rt.server.access import Owner, same_secret
 from rocforge_rt.server.jobs import (
     CancelCause,
     Cancelled,
@@ -82,10 +83,10 @@ MAX_EXPIRED_REMEMBERED = 4096
 
 @dataclass(eq=False)
 class OpenSession:
-    """An open session, who owns it and the job running on it."""
+    """An open session, who owns it (its token) and the job running on it."""
 
     session: Session
-    owner: bytes
+    owner: Owner
     last_used: float
     job: Job | None = None
 
@@ -109,7 +110,8 @@ class Lifecycle:
         self.latency = latency
         self.outbox = outbox
         self.sessions: dict[int, OpenSession] = {}
-        self._expired: deque[tuple[bytes, int]] = deque(maxlen=MAX_EXPIRED_REMEMBERED)
+        # (session id, token) of sessions closed by the idle reaper, for a clearer refusal
+        self._expired: deque[tuple[int, str]] = deque(maxlen=MAX_EXPIRED_REMEMBERED)
         self._next_reap = 0.0
 
     def session_of(self, job: Job) -> Session:
@@ -144,8 +146,8 @@ class Lifecycle:
         ids = prompt_ids(self.engine.tokenizer, turn.prompt, first_turn=True)
         args = turn_args(self.limits, self.engine.hparams.n_vocab, turn, ids)
         session = self.engine.open_session(ids, slot=job.slot, **args)  # None: it takes one
-        self.board.session_opened(job, session.session_id)  # the slot is the session's now
-        self.sessions[session.session_id] = OpenSession(session, job.peer, time.perf_counter(), job)
+        owner = self.board.session_opened(job, session.session_id)  # the slot is the session's
+        self.sessions[session.session_id] = OpenSession(session, owner, time.perf_counter(), job)
         job.session_id = session.session_id
         self._queue_prefill(job, len(ids))
 
@@ -192,13 +194,19 @@ class Lifecycle:
         self.end(job, Closed(context_tokens))
 
     def _owned(self, job: Job, *, idle: bool) -> OpenSession:
-        """The request's session, if its peer owns it (and, when `idle`, nothing runs on it)."""
+        """The request's session, if its token (and CURVE key) admit it, and, when `idle`,
+        nothing runs on it. A wrong or missing token is refused as a session not open."""
         sid = job.request.session
+        token = job.request.token
         live = self.sessions.get(sid)
-        if live is None or live.owner != job.peer:
-            why = "expired (idle timeout)" if (job.peer, sid) in self._expired else "not open"
+        if live is None or not live.owner.admits(token, job.user):
+            expired = live is None and any(
+                s == sid and same_secret(token, t) for s, t in self._expired
+            )
+            why = "expired (idle timeout)" if expired else "not open"
             raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION, f"session {sid} is {why} for this client"
+                ErrorCode.UNKNOWN_SESSION,
+                f"session {sid} is {why} for this client (or its token is wrong)",
             )
         if idle and live.job is not None:
             raise ProtocolError(
@@ -289,7 +297,7 @@ class Lifecycle:
         flagged by the I/O thread and end at their start or next step), then close its
         sessions, unless it may come back for them (`keep_sessions`: they wait for the idle
         timeout)."""
-        for live in [s for s in self.sessions.values() if s.owner == notice.peer]:
+        for live in [s for s in self.sessions.values() if s.owner.peer == notice.peer]:
             if live.job is not None:
                 self.end(live.job, Cancelled(CancelCause.DISCONNECT))
             if not notice.keep_sessions and self.sessions.get(live.session.session_id) is live:
@@ -308,5 +316,5 @@ class Lifecycle:
                     live.session.session_id,
                     now - live.last_used,
                 )
-                self._expired.append((live.owner, live.session.session_id))
+                self._expired.append((live.session.session_id, live.owner.token))
                 self.close_session(live)

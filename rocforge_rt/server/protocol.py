@@ -37,6 +37,7 @@ MAX_MAP_FIELDS = 64
 MAX_TRACE_STEPS = 1024
 MAX_STATS_RECORDS = 1000
 MAX_TIMER_EVERY = 1_000_000
+MAX_SECRET_CHARS = 256  # a session token or an operator key
 MAX_NESTING = 8  # containers within containers: a request needs 3 (map, messages, message)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 INT32_MAX = (1 << 31) - 1
@@ -89,9 +90,13 @@ class Request:
     launches: bool | None = None  # profile: launch tracker on/off (None: unchanged)
     kernels: bool | None = None  # profile: kernel timer on/off (None: unchanged)
     every: int | None = None  # profile: the kernel timer times one step in `every`
+    token: str | None = None  # the session's token (step, generate on a session, append...)
+    operator_key: str | None = None  # stats, trace, profile: needed off loopback
 
 
 _SESSION = integer(1, INT64[1])
+_SECRET = string(MAX_SECRET_CHARS)
+_BY_SESSION: dict[str, Check] = {"session": _SESSION, "token": _SECRET}
 _PROMPT_FIELDS: dict[str, Check] = {
     "prompt": string(1 << 30),
     "tokens": token_ids,
@@ -116,14 +121,23 @@ OPS: dict[str, dict[str, Check]] = {
     "info": {},
     "health": {},
     "open": _TURN_FIELDS,
-    "append": {"session": _SESSION, **_TURN_FIELDS},
-    "step": {"session": _SESSION, "n": integer(1, MAX_STEP_TOKENS)},
-    "generate": {"session": _SESSION, **_TURN_FIELDS},
-    "abort": {"session": _SESSION, "request": request_id_field},
-    "close": {"session": _SESSION},
-    "stats": {"reset": boolean, "records": integer(0, MAX_STATS_RECORDS)},
-    "trace": {"steps": integer(1, MAX_TRACE_STEPS)},
-    "profile": {"launches": boolean, "kernels": boolean, "every": integer(1, MAX_TIMER_EVERY)},
+    "append": {**_BY_SESSION, **_TURN_FIELDS},
+    "step": {**_BY_SESSION, "n": integer(1, MAX_STEP_TOKENS)},
+    "generate": {**_BY_SESSION, **_TURN_FIELDS},
+    "abort": {**_BY_SESSION, "request": request_id_field},
+    "close": {**_BY_SESSION},
+    "stats": {
+        "reset": boolean,
+        "records": integer(0, MAX_STATS_RECORDS),
+        "operator_key": _SECRET,
+    },
+    "trace": {"steps": integer(1, MAX_TRACE_STEPS), "operator_key": _SECRET},
+    "profile": {
+        "launches": boolean,
+        "kernels": boolean,
+        "every": integer(1, MAX_TIMER_EVERY),
+        "operator_key": _SECRET,
+    },
 }
 _REQUIRED = {"append": ("session",), "step": ("session",), "close": ("session",)}
 
@@ -212,6 +226,11 @@ def parse_request(obj: Any) -> Request:
 
 def _build(op: str, v: Mapping[str, Any]) -> Request:
     common = {"op": op, "id": v.get("id"), "deadline_ms": v.get("deadline_ms")}
+    if "token" in v and "session" not in v:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"op {op!r}: the field 'token' goes with 'session'"
+        )
+    common["token"] = v.get("token")
     if op == "abort":
         if ("session" in v) == ("request" in v):
             raise ProtocolError(
@@ -239,6 +258,7 @@ def _build(op: str, v: Mapping[str, Any]) -> Request:
         launches=v.get("launches"),
         kernels=v.get("kernels"),
         every=v.get("every"),
+        operator_key=v.get("operator_key"),
     )
 
 

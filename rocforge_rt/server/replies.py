@@ -53,6 +53,8 @@ def _token_reply(
     **extra: Any,
 ) -> dict[str, Any]:
     logprobs = session.sampler is not None and session.sampler.params.logprobs > 0
+    if job.token is not None:  # the first reply of the job that opened the session
+        extra["token"], job.token = job.token, None
     return ok_reply(
         job.request.id,
         session=job.session_id,

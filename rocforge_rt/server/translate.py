@@ -28,6 +28,31 @@ ENGINE_ERROR_CODES: dict[EngineErrorCode, ErrorCode] = {
 }
 
 
+def max_token_bytes(tokenizer: Tokenizer | None) -> int | None:
+    """The most bytes any one token of the vocabulary stands for (None: no vocabulary)."""
+    if tokenizer is None:
+        return None
+    return max(1, max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab)))
+
+
+def check_prompt_bytes(limits: Limits, token_bytes: int | None, prompt: Prompt) -> None:
+    """Refuse, before tokenizing it, a text prompt certain to be over --max-prompt-tokens:
+    more bytes than that many tokens of the vocabulary's longest can hold (chat messages:
+    their contents alone). Cheap: the I/O thread checks it before the engine thread spends
+    time on a huge prompt."""
+    if token_bytes is None or prompt.tokens is not None:
+        return
+    texts = [prompt.text] if prompt.text is not None else [c for _, c in prompt.messages or ()]
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    most = limits.max_prompt_tokens * token_bytes
+    if size > most:
+        raise ProtocolError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"prompt of {size} bytes is over {limits.max_prompt_tokens} tokens"
+            f" (--max-prompt-tokens) of at most {token_bytes} bytes each ({most} bytes)",
+        )
+
+
 def prompt_ids(tokenizer: Tokenizer | None, prompt: Prompt, *, first_turn: bool) -> list[int]:
     """The token ids of a turn's prompt (text is tokenized, chat messages rendered first)."""
     if prompt.tokens is not None:
