@@ -1,6 +1,6 @@
 """The engine thread: its inbox, the engine's start-up and warm-up, and the step loop.
 
-Threads (DESIGN.md: one thread drives an Engine). The daemon's I/O thread owns
+Threads (one thread drives an Engine: docs/architecture.md). The daemon's I/O thread owns
 the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
 `stats` and `trace` itself, and `submit`s engine work here as Jobs. This thread
 alone calls the engine; it sends replies through its own inproc PUSH socket,
