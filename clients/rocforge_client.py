@@ -9,6 +9,11 @@ longest wait for one reply, after which `Timeout` is raised. `deadline` asks the
 daemon to stop the request's work after that many seconds. Errors from the
 daemon raise the `ClientError` subclass of their code (see ERRORS). A Client
 owns one socket: use it from one thread (one Client per thread).
+
+A session belongs to whoever holds its token: `open` (and a one-shot `generate`)
+replies with it (`TokenReply.token`), and the client sends it with every later op
+on that session by itself. Another client (or this one after a reconnect) takes a
+session over with `adopt(session, token)`, or passes `token=` to the call.
 """
 
 import itertools
@@ -21,7 +26,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from rocforge_rt.server.security import secure_client
+from rocforge_rt.server.security import endpoint_problem, secure_client
 
 MAX_REPLY_BYTES = 64 << 20
 
@@ -41,6 +46,12 @@ class Timeout(ClientError, TimeoutError):
     """No reply within the call's timeout (the daemon is down, busy elsewhere, or unreachable)."""
 
     code = "timeout"
+
+
+class BadAddress(ClientError, ValueError):
+    """The daemon address is malformed (no tcp:// or ipc:// scheme, a port outside 1-65535)."""
+
+    code = "bad_address"
 
 
 class BadRequest(ClientError):
@@ -121,6 +132,12 @@ class ShuttingDown(ClientError):
     code = "shutting_down"
 
 
+class Forbidden(ClientError):
+    """An operator op (stats reset, trace, profile) off loopback without the operator key."""
+
+    code = "forbidden"
+
+
 class Internal(ClientError):
     """The daemon failed on this request (a bug); other requests are unaffected."""
 
@@ -144,6 +161,7 @@ ERRORS: dict[str, type[ClientError]] = {
         NotReady,
         ShuttingDown,
         Internal,
+        Forbidden,
     )
 }
 
@@ -168,6 +186,7 @@ class TokenReply:
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     abort_reason: str | None = None
+    token: str | None = None  # the session's token: in the first reply of the op that opened it
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> "TokenReply":
@@ -184,6 +203,7 @@ class TokenReply:
             usage=reply.get("usage", {}),
             timings=reply.get("timings", {}),
             abort_reason=reply.get("abort_reason"),
+            token=reply.get("token"),
         )
 
 
@@ -206,16 +226,27 @@ class Client:
         timeout: float = 30.0,
         context: zmq.Context | None = None,
     ) -> None:
+        problem = endpoint_problem(addr, bind=False)
+        if problem is not None:
+            raise BadAddress(f"cannot connect to {addr}: {problem}")
         self.addr = addr
         self.timeout = timeout
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.linger = 0
         self._socket.maxmsgsize = MAX_REPLY_BYTES
-        if curve_keys is not None:
-            secure_client(self._socket, Path(curve_keys))
-        self._socket.connect(addr)
+        try:
+            if curve_keys is not None:
+                secure_client(self._socket, Path(curve_keys))
+            self._socket.connect(addr)
+        except zmq.ZMQError as exc:  # a host name that does not resolve, say
+            self._socket.close(linger=0)
+            raise BadAddress(f"cannot connect to {addr}: {exc}") from None
+        except BaseException:
+            self._socket.close(linger=0)
+            raise
         self._ids = itertools.count(1)
+        self._tokens: dict[int, str] = {}  # session -> its token (from open/generate, or adopt)
 
     def __enter__(self) -> "Client":
         return self
@@ -279,13 +310,31 @@ class Client:
             time.sleep(poll)
 
     def stats(
-        self, *, reset: bool = False, records: int = 0, timeout: float | None = None
+        self,
+        *,
+        reset: bool = False,
+        records: int = 0,
+        operator_key: str | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
-        return self.call("stats", timeout=timeout, reset=reset or None, records=records or None)
+        """The daemon's stats; `reset` needs `operator_key` off loopback."""
+        return self.call(
+            "stats",
+            timeout=timeout,
+            reset=reset or None,
+            records=records or None,
+            operator_key=operator_key,
+        )
 
-    def trace(self, *, steps: int | None = None, timeout: float | None = None) -> dict[str, Any]:
-        """Chrome/Perfetto trace JSON of the daemon's last steps."""
-        return self.call("trace", timeout=timeout, steps=steps)["trace"]
+    def trace(
+        self,
+        *,
+        steps: int | None = None,
+        operator_key: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Chrome/Perfetto trace JSON of the daemon's last steps (operator key off loopback)."""
+        return self.call("trace", timeout=timeout, steps=steps, operator_key=operator_key)["trace"]
 
     def profile(
         self,
@@ -293,12 +342,38 @@ class Client:
         launches: bool | None = None,
         kernels: bool | None = None,
         every: int | None = None,
+        operator_key: str | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        """Switch the launch tracker and the kernel timer (None: unchanged); their state."""
+        """Switch the launch tracker and the kernel timer (None: unchanged); their state
+        (operator key off loopback)."""
         return self.call(
-            "profile", timeout=timeout, launches=launches, kernels=kernels, every=every
+            "profile",
+            timeout=timeout,
+            launches=launches,
+            kernels=kernels,
+            every=every,
+            operator_key=operator_key,
         )
+
+    # --- session tokens -----------------------------------------------------------------------
+    def adopt(self, session: int, token: str) -> None:
+        """Use `token` for `session` from now on (a session opened by another connection)."""
+        self._tokens[session] = token
+
+    def token(self, session: int) -> str | None:
+        """The token this client holds for `session` (None: none)."""
+        return self._tokens.get(session)
+
+    def _remember(self, reply: "TokenReply") -> "TokenReply":
+        if reply.token is not None:
+            self._tokens[reply.session] = reply.token
+        return reply
+
+    def _token_for(self, session: int, token: str | None) -> str | None:
+        if token is not None:
+            self._tokens[session] = token
+        return self._tokens.get(session)
 
     def open(
         self,
@@ -315,7 +390,7 @@ class Client:
         `turn` takes max_tokens, temperature, top_k, top_p, seed, logprobs and stop.
         """
         fields = _turn_fields(prompt, tokens, messages, deadline, turn)
-        return TokenReply.from_reply(self.call("open", timeout=timeout, **fields))
+        return self._remember(TokenReply.from_reply(self.call("open", timeout=timeout, **fields)))
 
     def append(
         self,
@@ -325,12 +400,14 @@ class Client:
         tokens: Sequence[int] | None = None,
         deadline: float | None = None,
         timeout: float | None = None,
+        token: str | None = None,
         **turn: Any,
     ) -> TokenReply:
         """Another turn (text or ids) into a session; the reply holds its first token."""
         fields = _turn_fields(prompt, tokens, None, deadline, turn)
+        token = self._token_for(session, token)
         return TokenReply.from_reply(
-            self.call("append", timeout=timeout, session=session, **fields)
+            self.call("append", timeout=timeout, session=session, token=token, **fields)
         )
 
     def step(
@@ -340,9 +417,13 @@ class Client:
         *,
         deadline: float | None = None,
         timeout: float | None = None,
+        token: str | None = None,
     ) -> TokenReply:
         """The next n tokens of a session's turn (fewer if the turn ends)."""
-        reply = self.call("step", timeout=timeout, session=session, n=n, deadline_ms=_ms(deadline))
+        token = self._token_for(session, token)
+        reply = self.call(
+            "step", timeout=timeout, session=session, n=n, deadline_ms=_ms(deadline), token=token
+        )
         return TokenReply.from_reply(reply)
 
     def generate(
@@ -354,13 +435,16 @@ class Client:
         messages: Sequence[Mapping[str, str]] | None = None,
         deadline: float | None = None,
         timeout: float | None = None,
+        token: str | None = None,
         **turn: Any,
     ) -> Iterator[TokenReply]:
         """Stream a generation: of a new prompt (in a session of its own, closed at the end),
         or the rest of an open session's turn. The last reply has `done` True. Leaving the
         loop early aborts the request."""
         if session is not None:
+            token = self._token_for(session, token)
             fields: dict[str, Any] = {"session": session, "deadline_ms": _ms(deadline)}
+            fields["token"] = token
         else:
             fields = _turn_fields(prompt, tokens, messages, deadline, turn)
         rid = self.send("generate", **fields)
@@ -369,8 +453,10 @@ class Client:
             while not done:
                 reply = self.receive(rid, timeout)
                 raise_for_error(reply)
-                result = TokenReply.from_reply(reply)
+                result = self._remember(TokenReply.from_reply(reply))
                 done = result.done
+                if done and session is None:  # its own session closed with it
+                    self._tokens.pop(result.session, None)
                 yield result
         finally:
             if not done:
@@ -382,14 +468,23 @@ class Client:
         session: int | None = None,
         request: int | None = None,
         timeout: float | None = None,
+        token: str | None = None,
     ) -> bool:
         """Stop the request running on a session (or with that id); False if none was."""
-        reply = self.call("abort", timeout=timeout, session=session, request=request)
-        return reply["aborted"]
+        if session is not None:
+            token = self._token_for(session, token)
+        fields = {"session": session, "request": request, "token": token}
+        return self.call("abort", timeout=timeout, **fields)["aborted"]
 
-    def close(self, session: int, *, timeout: float | None = None) -> dict[str, Any]:
+    def close(
+        self, session: int, *, timeout: float | None = None, token: str | None = None
+    ) -> dict[str, Any]:
         """Close a session (aborting its running request) and free its slot."""
-        return self.call("close", timeout=timeout, session=session)
+        reply = self.call(
+            "close", timeout=timeout, session=session, token=self._token_for(session, token)
+        )
+        self._tokens.pop(session, None)
+        return reply
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -9,15 +9,39 @@ from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.server.cli_commands import add_generation_options, add_server_commands
 
+MIN_CTX_SIZE = 2  # a prompt token and a generated one
+
+
+class CommandError(RocforgeError):
+    """A command cannot run with these arguments (the message says why and what to do)."""
+
+
+def _ctx_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < MIN_CTX_SIZE:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_CTX_SIZE}, got {value}")
+    return value
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rocforge_rt.engine.engine import Engine
     from rocforge_rt.engine.generate import Generation
     from rocforge_rt.model.default_model import ensure_default_model
+    from rocforge_rt.model.gguf_file import load_model_file
     from rocforge_rt.step.sampling import SamplingParams
 
     model_path = Path(args.model) if args.model else ensure_default_model()
-    engine = Engine.load(model_path, backend=args.backend, n_ctx=args.ctx_size)
+    model = load_model_file(model_path)
+    if model.metadata.get("tokenizer.ggml.model") == "none":
+        raise CommandError(
+            f"{model_path} has no vocabulary (tokenizer.ggml.model = 'none'), so generate"
+            " cannot read a text prompt or write text; use a model with a vocabulary"
+            " (a model without one serves token ids through `rocforge serve`)"
+        )
+    engine = Engine.load(model, backend=args.backend, n_ctx=args.ctx_size)
     text = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -67,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt (text to stdout)")
     gen.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
     add_generation_options(gen)
-    gen.add_argument("--ctx-size", type=int, default=2048)
+    gen.add_argument("--ctx-size", type=_ctx_size, default=2048, help="tokens (>= 2)")
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     gen.set_defaults(func=_cmd_generate)
 

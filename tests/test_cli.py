@@ -2,17 +2,22 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 
-def rocforge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rocforge_rt.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def rocforge(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the command; a failed test (not a hang) if it has not exited within `timeout` s."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "rocforge_rt.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`rocforge {' '.join(args)}` still running after {timeout} s")
 
 
 @pytest.mark.slow
@@ -55,3 +60,74 @@ def test_a_broken_model_file_is_a_clear_error_not_a_traceback(tmp_path):
 def test_an_unknown_backend_is_refused_by_the_parser():
     done = rocforge("generate", "--prompt", "x", "--backend", "tpu")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+# --- bad input: a message on stderr and exit 2, never a traceback ------------------------------
+def assert_refused(done: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, done.stderr
+
+
+def test_generate_refuses_a_context_size_below_two():
+    done = rocforge("generate", "--prompt", "x", "--backend", "cpu", "--ctx-size", "0")
+    assert_refused(done, "--ctx-size", "must be >= 2, got 0")
+
+
+def test_generate_on_a_model_without_a_vocabulary_says_so(tiny_model):
+    done = rocforge("generate", "--model", str(tiny_model), "--prompt", "x", "--backend", "cpu")
+    assert_refused(done, str(tiny_model), "no vocabulary")
+
+
+def test_a_client_address_without_a_scheme_is_refused_by_name():
+    done = rocforge("client", "health", "--addr", "127.0.0.1:5555")
+    assert_refused(done, "127.0.0.1:5555", "scheme", "tcp://127.0.0.1:5555")
+
+
+def test_a_bind_address_without_a_scheme_is_refused_as_such(tiny_model):
+    done = rocforge("serve", "--model", str(tiny_model), "--backend", "cpu",
+                    "--bind", "127.0.0.1:5556", timeout=60)  # fmt: skip
+    assert_refused(done, "127.0.0.1:5556", "scheme", "tcp://127.0.0.1:5556")
+    assert "encryption" not in done.stderr and "loopback" not in done.stderr
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_a_bind_port_outside_1_to_65535_is_refused(tiny_model, port):
+    """ZeroMQ would bind port 99999 as 99999 - 65536 = 34463 and -1 as 65535."""
+    done = rocforge("serve", "--model", str(tiny_model), "--backend", "cpu",
+                    "--bind", f"tcp://127.0.0.1:{port}", timeout=60)  # fmt: skip
+    assert_refused(done, f"tcp://127.0.0.1:{port}", "outside 1-65535")
+
+
+@pytest.mark.parametrize("port", ["0", "*"])
+def test_a_bind_to_any_free_port_still_serves(tiny_model, port):
+    from clients.rocforge_client import connect
+    from rocforge_rt.server.config import DaemonConfig
+    from rocforge_rt.server.daemon import Daemon
+
+    config = DaemonConfig(model=tiny_model, backend="cpu", bind=f"tcp://127.0.0.1:{port}",
+                          ctx_size=64, max_sessions=1)  # fmt: skip
+    with Daemon(config) as daemon, connect(daemon.endpoint, timeout=10) as client:
+        assert int(daemon.endpoint.rsplit(":", 1)[1]) > 0
+        assert client.health()["ready"]
+
+
+def test_client_health_answers_no_daemon_within_a_few_seconds():
+    from rocforge_rt.server.cli_commands import free_loopback_port
+
+    addr = f"tcp://127.0.0.1:{free_loopback_port()}"  # nothing listens there
+    started = time.monotonic()
+    done = rocforge("client", "health", "--addr", addr, timeout=30)
+    assert_refused(done, f"no daemon at {addr}")
+    assert time.monotonic() - started < 20
+
+
+def test_serve_and_the_operator_commands_take_the_session_quota_and_operator_key():
+    from rocforge_rt.cli import build_parser
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--max-sessions-per-client", "2", "--operator-key", "k"])
+    assert (serve.max_sessions_per_client, serve.operator_key) == (2, "k")
+    for command in (["client", "stats"], ["client", "trace"], ["client", "profile"], ["trace"]):
+        assert parser.parse_args([*command, "--operator-key", "k"]).operator_key == "k"

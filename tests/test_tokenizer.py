@@ -6,9 +6,12 @@ from typing import Any
 
 import pytest
 
+from rocforge_rt.engine.session import Session
+from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model.gguf_metadata import read_metadata
 from rocforge_rt.model.tokenizer import Tokenizer
+from rocforge_rt.step.sampling import SampledToken
 
 # Parametrization needs the reference at collection time (the `reference` fixture is the same file).
 _REFERENCE = json.loads(
@@ -136,11 +139,23 @@ def test_text_stream_never_emits_half_a_character(tokenizer: Tokenizer) -> None:
     assert "".join(pieces) + stream.flush() == tokenizer.decode(ids) == text
 
 
-def test_text_stream_flush_replaces_a_dangling_partial_character(tokenizer: Tokenizer) -> None:
+def test_text_stream_flush_drops_a_dangling_partial_character(tokenizer: Tokenizer) -> None:
     stream = tokenizer.stream()
     assert stream.push(10813) == ""  # first two bytes of a four-byte character
-    assert stream.flush() == "\ufffd"
+    assert stream.flush() == ""  # never completed: dropped, not sent as U+FFFD
     assert stream.push(19556) == "Hello"
+
+
+def test_a_turn_cut_by_max_tokens_mid_character_does_not_end_with_a_replacement(
+    tokenizer: Tokenizer,
+) -> None:
+    rocket = tokenizer.encode("🚀")
+    assert len(rocket) > 1  # four bytes over several tokens
+    session = Session(0, 0, n_ctx=64, eog_ids=tokenizer.eog_ids, stream=tokenizer.stream())
+    session.start_turn([19556], sampler=None, stops=(), max_new_tokens=len(rocket) - 1)
+    events = [session.accept(SampledToken(t, 0.0, ())) for t in rocket[:-1]]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert "".join(e.text for e in events) == ""
 
 
 @pytest.mark.parametrize(("pre", "text", "ids"), _OTHER_PRE_TOKENIZERS)

@@ -368,7 +368,11 @@ class TextStream:
         return self._decoder.decode(self._tokenizer._visible_bytes(token_id, self._skip_special))
 
     def flush(self) -> str:
-        """Return what is held back, an incomplete sequence as U+FFFD, and start afresh."""
-        text = self._decoder.decode(b"", final=True)
+        """End the stream (its turn is over) and start afresh; returns the text held back.
+
+        Only an incomplete character can be held back (`push` releases every complete
+        one), and a turn that ends inside a character (cut by max_tokens, say) will never
+        complete it: those bytes are dropped, not sent as U+FFFD. So this returns ''.
+        """
         self._decoder.reset()
-        return text
+        return ""

@@ -26,6 +26,8 @@ from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DEFAULT_BIND, DaemonConfig, ServerError
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
+REPLY_TIMEOUT_S = 60.0  # a generation's reply can wait for a long prefill
+HEALTH_TIMEOUT_S = 5.0  # the socket thread answers health at once, even while loading
 DEMO_PROMPT = "Write one sentence about the sea."
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
@@ -65,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         prefill_chunk=args.prefill_chunk,
         curve_keys=Path(args.curve_keys) if args.curve_keys else None,
+        max_sessions_per_client=args.max_sessions_per_client,
+        operator_key=args.operator_key,
     )
     Daemon(config).run()
     return 0
@@ -150,15 +154,23 @@ def format_generation(result: dict[str, Any]) -> str:
 @_reporting_client_errors
 def _cmd_client_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        stats = client.stats(reset=args.reset, records=args.records)
+        stats = client.stats(reset=args.reset, records=args.records, operator_key=args.operator_key)
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
 
 
 @_reporting_client_errors
 def _cmd_client_health(args: argparse.Namespace) -> int:
+    from clients.rocforge_client import ClientError, Timeout
+
     with _client(args) as client:
-        health = client.health()
+        try:
+            health = client.health()
+        except Timeout:
+            raise ClientError(
+                f"no daemon at {args.addr}: no reply to health within {args.timeout:g} s"
+                " (start one with `rocforge serve`, or pass --addr)"
+            ) from None
     print(json.dumps(health))
     return 0 if health["ready"] else 1
 
@@ -166,7 +178,7 @@ def _cmd_client_health(args: argparse.Namespace) -> int:
 @_reporting_client_errors
 def _cmd_client_trace(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        trace = client.trace(steps=args.steps)
+        trace = client.trace(steps=args.steps, operator_key=args.operator_key)
     Path(args.output).write_text(json.dumps(trace))
     print(f"wrote {args.output}: open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0
@@ -177,7 +189,10 @@ def _cmd_client_profile(args: argparse.Namespace) -> int:
     switch = {"on": True, "off": False, None: None}
     with _client(args) as client:
         state = client.profile(
-            launches=switch[args.launches], kernels=switch[args.kernels], every=args.every
+            launches=switch[args.launches],
+            kernels=switch[args.kernels],
+            every=args.every,
+            operator_key=args.operator_key,
         )
     print(json.dumps(state))
     return 0 if state["available"] else 1
@@ -385,15 +400,22 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _client_options(parser: argparse.ArgumentParser) -> None:
+def _client_options(parser: argparse.ArgumentParser, timeout: float = REPLY_TIMEOUT_S) -> None:
     parser.add_argument("--addr", default=DEFAULT_ADDR, help=f"daemon address ({DEFAULT_ADDR})")
     parser.add_argument("--curve-keys", help="folder with client.key_secret and server.key")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per reply")
+    parser.add_argument(
+        "--timeout", type=float, default=timeout, help=f"seconds per reply ({timeout:g})"
+    )
+
+
+def _operator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--operator-key", help="the daemon's --operator-key (off loopback)")
 
 
 def _add_trace_command(sub: Any) -> None:
     trace = sub.add_parser("trace", help="write a Chrome/Perfetto trace of recent steps")
     _client_options(trace)
+    _operator_option(trace)
     trace.add_argument("--steps", type=int, help="how many recent steps (default: all kept)")
     trace.add_argument("--output", default="rocforge-trace.json")
     trace.set_defaults(func=_cmd_client_trace)
@@ -423,6 +445,19 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument("--max-request-bytes", type=parse_size, default=1 << 20)
     serve.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
+    serve.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        metavar="N",
+        help="sessions one client (routing id; with CURVE, client key) may hold or be opening"
+        " (default: --max-sessions)",
+    )
+    serve.add_argument(
+        "--operator-key",
+        metavar="KEY",
+        help="needed by stats --reset, trace and profile when bound beyond loopback"
+        " (unset: refused there)",
+    )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=_cmd_serve)
 
@@ -434,12 +469,13 @@ def add_server_commands(sub: Any) -> None:
     gen.set_defaults(func=_cmd_client_generate)
     stats = client_sub.add_parser("stats", help="latency, op overhead table, KV use")
     _client_options(stats)
+    _operator_option(stats)
     stats.add_argument("--reset", action="store_true", help="clear the records after reading")
     stats.add_argument("--records", type=int, default=0, help="include the last N requests")
     stats.add_argument("--json", action="store_true", help="raw JSON instead of a table")
     stats.set_defaults(func=_cmd_client_stats)
     health = client_sub.add_parser("health", help="live/ready (exit 0 when ready)")
-    _client_options(health)
+    _client_options(health, timeout=HEALTH_TIMEOUT_S)
     health.set_defaults(func=_cmd_client_health)
     _add_trace_command(client_sub)
     _add_trace_command(sub)  # `rocforge trace`, the same as `rocforge client trace`
@@ -447,6 +483,7 @@ def add_server_commands(sub: Any) -> None:
         "profile", help="switch the launch tracker and the kernel timer (GPU backends)"
     )
     _client_options(profile)
+    _operator_option(profile)
     profile.add_argument("--launches", choices=("on", "off"), help="per-launch host times")
     profile.add_argument("--kernels", choices=("on", "off"), help="GPU time of sampled steps")
     profile.add_argument("--every", type=int, help="the kernel timer times one step in N")

@@ -11,6 +11,7 @@ server.key (its `curve_keys` folder holds client.key_secret and server.key).
 
 import ipaddress
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from rocforge_rt.errors import RocforgeError
 
 AUTHORIZED_DIR = "authorized_clients"
 LOCAL_TRANSPORTS = ("ipc", "inproc")
+TRANSPORTS = ("tcp", *LOCAL_TRANSPORTS)
+EPHEMERAL_PORTS = ("*", "0")  # bind only: the system picks a free port
 
 
 class SecurityError(RocforgeError):
@@ -64,6 +67,35 @@ def generate_keys(keys_dir: Path) -> KeyPaths:
     return paths
 
 
+def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
+    """Why a ZeroMQ endpoint cannot be bound (or connected to), or None if it can be tried.
+
+    Accepted: tcp://HOST:PORT with PORT in 1-65535 (a bind may also take * or 0: a free
+    port), ipc://PATH and inproc://NAME. ZeroMQ itself would take a port above 65535
+    modulo 65536, and an address without a transport only with an obscure error.
+    """
+    examples = "addresses look like tcp://127.0.0.1:5555 or ipc:///tmp/rocforge.sock"
+    transport, sep, rest = endpoint.partition("://")
+    if not sep:
+        return f"the scheme (transport) is missing: write tcp://{endpoint} ({examples})"
+    if transport not in TRANSPORTS:
+        known = ", ".join(f"{t}://" for t in TRANSPORTS)
+        return f"unknown scheme {transport + '://'!r}: expected {known} ({examples})"
+    if not rest:
+        return f"no address after {transport}:// ({examples})"
+    if transport != "tcp":
+        return None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"a tcp address needs a host and a port: tcp://HOST:PORT ({examples})"
+    if bind and port in EPHEMERAL_PORTS:
+        return None
+    if not re.fullmatch(r"[0-9]+", port) or not 1 <= int(port) <= 65535:
+        free = " (or * for any free port)" if bind else ""
+        return f"the port {port!r} is outside 1-65535{free}"
+    return None
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     """True for ipc/inproc and for tcp on a loopback address (127.0.0.0/8, ::1, localhost)."""
     transport, _, rest = endpoint.partition("://")
@@ -81,7 +113,10 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 def check_bind(endpoint: str, keys_dir: Path | None) -> None:
-    """Refuse a non-loopback bind without CURVE keys."""
+    """Refuse a malformed endpoint, and a non-loopback bind without CURVE keys."""
+    problem = endpoint_problem(endpoint, bind=True)
+    if problem is not None:
+        raise SecurityError(f"cannot bind {endpoint}: {problem}")
     if keys_dir is None and not is_loopback_endpoint(endpoint):
         raise SecurityError(
             f"refusing to bind {endpoint} without encryption: only loopback addresses "
