@@ -608,19 +608,25 @@ def test_stopping_cuts_requests_in_flight_and_refuses_new_ones(tiny_model: Path)
         assert (last.done, last.finish_reason, last.abort_reason) == (True, "abort", "shutdown")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_finishes_in_flight_replies_and_exits_0(tiny_model: Path, signum) -> None:
+def spawn_serve(launcher: list[str], model: Path, *, ctx_size: int) -> tuple[Any, str]:
+    """`python LAUNCHER serve` of a one-session CPU daemon on a free loopback port, stderr piped."""
     from rocforge_rt.server.cli_commands import free_loopback_port
 
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"
     root = str(Path(__file__).resolve().parents[1])
     process = subprocess.Popen(
-        [sys.executable, "-m", "rocforge_rt.cli", "serve", "--model", str(tiny_model),
-         "--backend", "cpu", "--bind", addr, "--ctx-size", "256", "--max-sessions", "1"],
+        [sys.executable, *launcher, "serve", "--model", str(model), "--backend", "cpu",
+         "--bind", addr, "--ctx-size", str(ctx_size), "--max-sessions", "1"],
         env={**os.environ, "PYTHONPATH": root},
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    return process, addr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_in_flight_replies_and_exits_0(tiny_model: Path, signum) -> None:
+    process, addr = spawn_serve(["-m", "rocforge_rt.cli"], tiny_model, ctx_size=256)
     try:
         with connect(addr, timeout=10) as client:
             client.wait_ready(30)

@@ -15,10 +15,7 @@ each case is certain rather than lucky.
 """
 
 import math
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +25,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from test_daemon import LONG_PROMPT, PROMPT, Peer, serving, slow, wait_for
+from test_daemon import LONG_PROMPT, PROMPT, Peer, serving, slow, spawn_serve, wait_for
 
 from clients.rocforge_client import BadRequest, connect
 from rocforge_rt.engine.engine import Engine
@@ -414,17 +411,7 @@ def thirty_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -> None:
-    from rocforge_rt.server.cli_commands import free_loopback_port
-
-    addr = f"tcp://127.0.0.1:{free_loopback_port()}"
-    root = str(Path(__file__).resolve().parents[1])
-    process = subprocess.Popen(
-        [sys.executable, "-c", SLOW_UPLOAD, "serve", "--model", str(thirty_layers),
-         "--backend", "cpu", "--bind", addr, "--ctx-size", "64", "--max-sessions", "1"],
-        env={**os.environ, "PYTHONPATH": root},
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    process, addr = spawn_serve(["-c", SLOW_UPLOAD], thirty_layers, ctx_size=64)
     try:
         with connect(addr, timeout=10) as client:
             assert client.health()["state"] == "loading"
