@@ -1,8 +1,10 @@
 """Bounds on what one client can make the daemon's I/O thread do: a message of a million
 frames is refused at once, and other clients' streams go on while its frames are dropped;
-a client that never reads its replies pins a bounded number of them, then is dropped."""
+a client that never reads its replies pins a bounded number (and bytes) of them, then is
+dropped."""
 
 import logging
+import re
 import threading
 import time
 
@@ -11,7 +13,7 @@ import zmq
 from test_daemon import PROMPT, Peer, serving, slow
 
 from clients.rocforge_client import LimitExceeded, connect
-from rocforge_rt.server import daemon as daemon_module
+from rocforge_rt.server import backlog as backlog_module
 
 FLOOD_FRAMES = 1_000_000  # empty frames: 2 MB on the wire
 
@@ -69,10 +71,16 @@ def test_a_few_extra_frames_are_refused_and_the_next_message_is_read_whole(tiny_
             peer.close()
 
 
-def test_a_client_that_never_reads_is_dropped_with_a_log_line(
-    tiny_model, monkeypatch, caplog
+@pytest.mark.parametrize(
+    ("bound", "value", "request_op"),
+    [("MAX_MESSAGES", 50, "health"), ("MAX_BYTES", 32 << 10, "info")],
+    ids=["messages", "bytes"],
+)
+def test_a_client_that_never_reads_is_dropped_with_a_log_line_at_either_bound(
+    tiny_model, monkeypatch, caplog, bound, value, request_op
 ) -> None:
-    monkeypatch.setattr(daemon_module, "SEND_HWM", 50)
+    """`info` replies are ~500 bytes: 32 KiB of them is fewer than the 1,000-message bound."""
+    monkeypatch.setattr(backlog_module, bound, value)
     caplog.set_level(logging.WARNING, logger="rocforge.server")
     with serving(tiny_model) as daemon:
         sloth = Peer(daemon.endpoint)
@@ -80,8 +88,8 @@ def test_a_client_that_never_reads_is_dropped_with_a_log_line(
         sloth.socket.setsockopt(zmq.RCVBUF, 4096)
         try:
             with connect(daemon.endpoint, timeout=5) as other:
-                for i in range(20_000):  # its replies pile up: about 2 MB
-                    sloth.request(op="health", id=i)
+                for i in range(20_000):  # its replies pile up
+                    sloth.request(op=request_op, id=i)
                 limit = time.monotonic() + 10
                 while "does not read its replies" not in caplog.text:
                     assert time.monotonic() < limit, "the slow client was never dropped"
@@ -92,6 +100,12 @@ def test_a_client_that_never_reads_is_dropped_with_a_log_line(
         finally:
             sloth.close()
         assert caplog.text.count("does not read its replies") == 1
+        waiting = re.search(r"\((\d+) messages, (\d+) bytes waiting\)", caplog.text)
+        messages, nbytes = int(waiting[1]), int(waiting[2])
+        if bound == "MAX_MESSAGES":
+            assert messages == value + 1
+        else:
+            assert value < nbytes <= value + 1024 and messages < backlog_module.MAX_MESSAGES
 
 
 def test_a_huge_text_prompt_is_refused_by_its_size_before_it_is_tokenized(default_model) -> None:
@@ -118,3 +132,33 @@ def test_a_huge_text_prompt_is_refused_by_its_size_before_it_is_tokenized(defaul
         opened = client.open("The sea is", max_tokens=4)
         client.close(opened.session)
         assert client.health()["slots_free"] == 2
+
+
+def test_the_backlog_keeps_each_clients_replies_in_order_and_counts_both_bounds(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(backlog_module, "MAX_MESSAGES", 3)
+    monkeypatch.setattr(backlog_module, "MAX_BYTES", 100)
+    room = {b"a": 1, b"b": 0}  # messages each client's queue takes now
+    sent: list[list[bytes]] = []
+
+    def send(frames: list[bytes]) -> bool:
+        if room[frames[0]] == 0:
+            return False
+        room[frames[0]] -= 1
+        sent.append(frames)
+        return True
+
+    backlog = backlog_module.Backlog()
+    assert backlog.send([b"a", b"1"], send) and backlog.send([b"a", b"2"], send)
+    assert backlog.send([b"b", b"1"], send)
+    assert sent == [[b"a", b"1"]] and backlog
+    room[b"a"] = 5
+    assert backlog.send([b"a", b"3"], send)  # behind "2", though there is room now
+    backlog.flush(send)
+    assert sent == [[b"a", b"1"], [b"a", b"2"], [b"a", b"3"]]
+    assert backlog.send([b"b", b"2"], send) and backlog.send([b"b", b"3"], send)
+    assert not backlog.send([b"b", b"4"], send)  # a fourth waiting message
+    assert backlog.drop(b"b") == (4, 8) and not backlog
+    assert backlog.send([b"b", b"x" * 99], send)  # 100 bytes with its routing id
+    assert not backlog.send([b"b", b"y"], send)  # 102

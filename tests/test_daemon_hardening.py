@@ -425,6 +425,37 @@ def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -
         process.wait()
 
 
+SLOW_PLAN = """
+import sys, time
+import rocforge_rt.server.config as config
+from rocforge_rt.cli import main
+
+load = config.load_model_file
+
+def slow_load(path):  # a model file on a slow disk, or a first conversion
+    print("checking the plan", file=sys.stderr, flush=True)
+    time.sleep(30)
+    return load(path)
+
+config.load_model_file = slow_load
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_before_the_socket_is_bound_exits_0_within_2_s(tiny_model: Path) -> None:
+    process, _ = spawn_serve(["-c", SLOW_PLAN], tiny_model, ctx_size=64)
+    try:
+        assert process.stderr.readline().strip() == "checking the plan"
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert process.wait(10) == 0
+        assert time.monotonic() - sent < 2.0
+        assert "SIGTERM received before serving: stopped" in process.stderr.read()
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_stopping_during_the_warm_up_does_not_wait_for_it(tiny_model: Path) -> None:
     loaded = threading.Event()
     slowed = slow(0.05)  # a warm-up step takes about 0.6 s: 8 of them for 4 slots

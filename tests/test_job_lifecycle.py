@@ -27,6 +27,7 @@ from rocforge_rt.server.jobs import (
 )
 from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
+from rocforge_rt.server.prompts import tokenize_turn
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Sampling, parse_request
 from rocforge_rt.server.replies import Outbox
 
@@ -50,20 +51,22 @@ class Rig:
         self._ids = iter(range(1, 1000))
         self.accepted: list[Job] = []
 
-    def accept(self, op: str, **fields: Any) -> Job:
-        """A request as the I/O thread takes it: parsed, admitted to the board (with the
-        session's token, as its client holds it, unless `token` is given)."""
+    def accept(self, op: str, peer: bytes = PEER, **fields: Any) -> Job:
+        """A request as the engine thread gets it: parsed and admitted to the board (with the
+        session's token, as its client holds it, unless `token` is given) by the I/O
+        thread, its prompt tokenized by the prompt thread."""
         live = self.lifecycle.sessions.get(fields.get("session"))
         if live is not None and "token" not in fields:
             fields["token"] = live.owner.token
         request = parse_request({"op": op, "id": next(self._ids), **fields})
-        job = Job(request, (PEER,), time.perf_counter())
+        job = Job(request, (peer,), time.perf_counter())
         self.board.admit(job)
+        tokenize_turn(job, self.engine.tokenizer)
         self.accepted.append(job)
         return job
 
-    def start(self, op: str, **fields: Any) -> Job:
-        job = self.accept(op, **fields)
+    def start(self, op: str, peer: bytes = PEER, **fields: Any) -> Job:
+        job = self.accept(op, peer, **fields)
         self.lifecycle.start(job)
         return job
 
@@ -320,6 +323,7 @@ def test_sampling_the_device_cannot_hold_is_refused_by_the_engine_before_it_take
     turn = dataclasses.replace(request.turn, sampling=Sampling(temperature=1.0, top_p=1e-46))
     job = Job(dataclasses.replace(request, turn=turn), (PEER,), time.perf_counter())
     rig.board.admit(job)
+    tokenize_turn(job, rig.engine.tokenizer)
     rig.lifecycle.start(job)
     (reply,) = rig.replies()
     assert reply["error"]["code"] == "bad_request" and "top_p" in reply["error"]["message"]

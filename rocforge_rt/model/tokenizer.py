@@ -304,9 +304,13 @@ class Tokenizer:
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = True
     ) -> list[int]:
-        """Token ids of `text`; `add_bos` None follows the GGUF's add_bos_token flag."""
+        """Token ids of `text`; `add_bos` None follows the GGUF's add_bos_token flag.
+
+        Tokenizes with the GIL released (the library's batch call; its single-text call
+        holds it), so other threads run meanwhile."""
         hf = self._hf if parse_special else self._hf_plain
-        ids = [i for i in hf.encode(text, add_special_tokens=False).ids if i != self._missing_id]
+        (encoding,) = hf.encode_batch([text], add_special_tokens=False)
+        ids = [i for i in encoding.ids if i != self._missing_id]
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise ValueError("a BOS token was requested but this GGUF defines none")

@@ -48,12 +48,31 @@ def _default_model(path: str | None) -> Path:
 
 
 # --- serve ------------------------------------------------------------------------------------
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from rocforge_rt.server.daemon import Daemon
+class _Terminated(Exception):
+    """SIGTERM before the daemon serves (converting the default model, checking the plan)."""
 
+
+def _terminate(_signum: int, _frame: Any) -> None:
+    raise _Terminated
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="rocforge serve: %(message)s", stream=sys.stderr
     )
+    previous = signal.signal(signal.SIGTERM, _terminate)  # Daemon.run installs its own
+    try:
+        _serve(args)
+    except _Terminated:
+        logging.getLogger("rocforge.server").info("SIGTERM received before serving: stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from rocforge_rt.server.daemon import Daemon
+
     config = DaemonConfig(
         model=_default_model(args.model),
         backend=args.backend,
@@ -71,7 +90,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         operator_key=args.operator_key,
     )
     Daemon(config).run()
-    return 0
 
 
 # --- client -----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The I/O thread is the only one that touches the ROUTER socket. It reads each
 request (bounded frames, ZMQ_MAXMSGSIZE, unpacker limits), validates it,
 answers `health`, `info`, `abort`, `stats` and `trace` itself, hands engine
 work to the engine thread (engine_loop.py), and forwards that thread's replies.
-It never waits on the engine, so it answers during a long prefill. The two
+It never waits on the engine, so it answers during a long prefill. Replies that do not
+fit a client's queue wait in a backlog bounded in messages and bytes (backlog.py). The two
 threads share the job board (jobs.py). Sessions answer to their token, never to a
 routing id; off loopback the operator ops need the operator key (access.py).
 
@@ -32,10 +33,10 @@ from typing import Any
 import zmq
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.errors import RocforgeError
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.server import protocol, queries
 from rocforge_rt.server.access import operator_allowed
+from rocforge_rt.server.backlog import PIPE_MESSAGES, Backlog
 from rocforge_rt.server.config import DaemonConfig, ServerError, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
@@ -48,10 +49,9 @@ log = logging.getLogger("rocforge.server")
 
 POLL_MS = 100  # how often the I/O loop looks at the stop flag when idle
 MAX_READS_PER_POLL = 64  # requests read before replies are forwarded again
+BACKLOG_POLL_MS = 2  # how often replies waiting for a client's queue to drain are retried
 MAX_FRAMES = 3  # identity, optional empty delimiter (REQ clients), payload
 DRAIN_FRAMES_PER_POLL = 10_000  # frames beyond those of a message dropped per loop iteration
-SEND_HWM = 1000  # replies queued per client (beside the kernel's socket buffer) before it
-# counts as gone: a client that never reads pins at most this many replies
 MAX_SLOW_PEERS_LOGGED = 4096
 LINGER_MS = 1000
 HEARTBEAT_IVL_MS = 2000
@@ -89,16 +89,17 @@ class Daemon:
         self._watch: PeerWatch | None = None
         self._mid_message = False  # dropping the frames a message has beyond a request's
         self._sink = bytearray(64)  # what they are read into (truncated), never kept
+        self._backlog = Backlog()  # replies that did not fit a client's queue yet
         self._slow_peers: set[bytes] = set()  # clients dropped for not reading (logged once)
         try:
             self._configure_router()
             self._watch = PeerWatch(self._router)
             self._router.bind(config.bind)
-        except (zmq.ZMQError, RocforgeError) as exc:
+        except BaseException as exc:  # a bind refused, or a signal's exception: nothing left open
             self._close_sockets()
-            if isinstance(exc, RocforgeError):
-                raise
-            raise ServerError(f"cannot bind {config.bind}: {exc}") from None
+            if isinstance(exc, zmq.ZMQError):
+                raise ServerError(f"cannot bind {config.bind}: {exc}") from None
+            raise
         self.endpoint: str = self._router.last_endpoint.decode()
         reply_endpoint = f"inproc://rocforge-replies-{id(self)}"
         self._replies.rcvhwm = 0
@@ -112,7 +113,7 @@ class Daemon:
         router = self._router
         router.router_mandatory = 1  # a reply to a vanished client raises, so its work stops
         router.maxmsgsize = 2 * self.config.max_request_bytes  # larger: the peer is dropped
-        router.sndhwm = SEND_HWM
+        router.sndhwm = PIPE_MESSAGES  # the rest waits in the backlog, bounded in bytes too
         router.linger = LINGER_MS
         router.heartbeat_ivl = HEARTBEAT_IVL_MS
         router.heartbeat_timeout = HEARTBEAT_TIMEOUT_MS
@@ -163,19 +164,20 @@ class Daemon:
 
     def run(self) -> None:
         """Serve until stopped; ServerError if the engine could not start or failed."""
+        restore = self._install_signal_handlers()  # before any thread starts: a signal's own
+        # handler may raise out of here until then
         engine_thread = threading.Thread(target=self.engine_loop.run, name="rocforge-engine")
         engine_thread.start()
-        restore = self._install_signal_handlers()
         try:
             self._serve()
         except BaseException:
             self.engine_loop.stop()  # the engine thread must end for the join below
             raise
         finally:
-            for sig, handler in restore.items():
-                signal.signal(sig, handler)
             engine_thread.join()
             self._close_sockets()
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
         if self.engine_loop.failure is not None:
             raise ServerError(self.engine_loop.failure)
         log.info("stopped")
@@ -206,7 +208,9 @@ class Daemon:
         poller.register(self._replies, zmq.POLLIN)
         poller.register(self._watch.socket, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(0 if self._mid_message else POLL_MS))
+            timeout = 0 if self._mid_message else BACKLOG_POLL_MS if self._backlog else POLL_MS
+            events = dict(poller.poll(timeout))
+            self._backlog.flush(self._send_now)
             if self._replies in events and self._forward_replies():
                 return  # the engine thread has stopped and every reply is out
             if self._watch.socket in events:
@@ -232,27 +236,37 @@ class Daemon:
             self._send(frames)
 
     def _send(self, frames: list[bytes]) -> None:
+        """A reply to its client, now or after its earlier ones (the backlog); a client past
+        the backlog's bounds is not reading: its replies are dropped, its requests stopped."""
+        if not self._backlog.send(frames, self._send_now):
+            self._slow_peer(frames[0])
+
+    def _send_now(self, frames: list[bytes]) -> bool:
+        """False when the client's queue is full; a client gone (EHOSTUNREACH) counts as sent:
+        its work is stopped, and its reply is dropped."""
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: gone; EAGAIN: not reading its replies
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
             log.debug("dropping a reply to a client: %s", exc)
-            if exc.errno == zmq.EHOSTUNREACH:
-                self._peers_gone([frames[0]])
-            else:
-                self._slow_peer(frames[0])
-                self.board.cancel_peer(frames[0], CancelCause.DISCONNECT)
+            self._peers_gone([frames[0]])
+        return True
 
     def _slow_peer(self, peer: bytes) -> None:
+        messages, nbytes = self._backlog.drop(peer)
+        self.board.cancel_peer(peer, CancelCause.DISCONNECT)
         if peer in self._slow_peers:
             return
         if len(self._slow_peers) >= MAX_SLOW_PEERS_LOGGED:
             self._slow_peers.clear()
         self._slow_peers.add(peer)
         log.warning(
-            "client %s does not read its replies (%d queued): its replies are dropped and its"
-            " requests stopped",
+            "client %s does not read its replies (%d messages, %d bytes waiting): they are"
+            " dropped and its requests stopped",
             peer.hex(),
-            SEND_HWM,
+            messages,
+            nbytes,
         )
 
     def _peers_gone(self, peers: list[bytes]) -> None:
@@ -260,6 +274,7 @@ class Daemon:
         its next step) and have the engine thread end what runs on their sessions and close
         those no one can come back for."""
         for peer in peers:
+            self._backlog.drop(peer)
             if self.board.cancel_peer(peer, CancelCause.DISCONNECT):
                 log.info("client %s disconnected: its requests and sessions end", peer.hex())
                 self.engine_loop.submit(PeerGone(peer, not generated_routing_id(peer)))

@@ -6,7 +6,8 @@ the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
 alone calls the engine; it sends replies through its own inproc PUSH socket,
 which the I/O thread forwards to clients, so neither waits on the other.
 
-Each iteration takes new jobs (lifecycle.py starts them) and notices of
+Jobs reach this thread through the prompt thread (prompts.py), which tokenizes their
+prompts on the way. Each iteration takes new jobs (lifecycle.py starts them) and notices of
 clients gone, ends those the policy finds cancelled or past their deadline,
 then runs the step the policy picks (policy.py): at most one prefill chunk,
 then one batched decode. The replies each stage made go out after it.
@@ -30,11 +31,13 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import LoadCancelled
+from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.op_timer import OpTimer
 from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits, PeerGone
 from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
+from rocforge_rt.server.prompts import PromptThread
 from rocforge_rt.server.protocol import ErrorCode
 from rocforge_rt.server.replies import Outbox, usage_map
 from rocforge_rt.server.translate import max_token_bytes
@@ -68,6 +71,7 @@ class EngineLoop:
         self._context = context
         self._reply_endpoint = reply_endpoint
         self._inbox: queue.SimpleQueue[Job | PeerGone | None] = queue.SimpleQueue()
+        self._prompts = PromptThread(self._tokenizer, self._inbox.put)
         self._policy = StepPolicy()
         self._outbox = Outbox()
         self._lifecycle: Lifecycle | None = None  # once the engine has started
@@ -89,7 +93,7 @@ class EngineLoop:
 
     # --- called from the I/O thread -------------------------------------------------------
     def submit(self, job: Job | PeerGone) -> None:
-        self._inbox.put(job)
+        self._prompts.submit(job)
 
     def reset_stats(self) -> None:
         """Ask for the backend's runtime counters to be cleared (done on the engine thread)."""
@@ -99,10 +103,15 @@ class EngineLoop:
         """Finish: every job left gets its final reply (the I/O thread cancelled them); a load
         or warm-up in progress stops at its next layer or step."""
         self._stop_requested.set()
-        self._inbox.put(None)
+        self._prompts.submit(None)
+
+    # --- the prompt thread --------------------------------------------------------------------
+    def _tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer if self.engine is not None else None
 
     # --- the engine thread ------------------------------------------------------------------
     def run(self) -> None:
+        self._prompts.start()
         self._out = self._context.socket(zmq.PUSH)
         self._out.sndhwm = 0  # never block the engine on the I/O thread
         self._out.connect(self._reply_endpoint)
@@ -124,6 +133,7 @@ class EngineLoop:
                 self.failure = f"the engine thread failed: {exc}"
                 self._fail_everything(self.failure)
         finally:
+            self._prompts.finish()
             self._flush()
             self._out.send(END_OF_REPLIES)
             self._out.close(linger=1000)
@@ -278,6 +288,7 @@ class EngineLoop:
 
     def _fail_everything(self, message: str) -> None:
         """After a bug in the loop: end every job running or queued with an internal error."""
+        self._prompts.finish()  # everything submitted so far is in the inbox
         jobs = [*self._policy.prefilling, *self._policy.decoding]
         while True:
             try:

@@ -70,6 +70,7 @@ class Job:
     slot: int | None = None  # a KV slot taken at admission, until its session takes it over
     user: str | None = None  # the client's CURVE public key (z85); None without CURVE
     token: str | None = None  # the token of the session it opened, until its first reply
+    turn_ids: list[int] | Exception | None = None  # its turn's prompt ids (prompts.py)
     # engine-thread state
     state: JobState = JobState.QUEUED
     session_id: int | None = None  # the session it runs on, once started

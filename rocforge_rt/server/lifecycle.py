@@ -74,7 +74,7 @@ from rocforge_rt.server.jobs import (
 from rocforge_rt.server.policy import Emit, StepPolicy
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, ok_reply
 from rocforge_rt.server.replies import Outbox, final_reply, job_error_reply, stream_reply
-from rocforge_rt.server.translate import ENGINE_ERROR_CODES, check_room, prompt_ids, turn_args
+from rocforge_rt.server.translate import ENGINE_ERROR_CODES, check_room, turn_args
 
 log = logging.getLogger("rocforge.server")
 
@@ -89,6 +89,15 @@ class OpenSession:
     owner: Owner
     last_used: float
     job: Job | None = None
+
+
+def _turn_ids(job: Job) -> list[int]:
+    """The prompt ids the prompt thread made for the job's turn (or what stopped it)."""
+    if isinstance(job.turn_ids, Exception):
+        raise job.turn_ids
+    if job.turn_ids is None:
+        raise RuntimeError("a job with a turn reached the engine thread untokenized")
+    return job.turn_ids
 
 
 class Lifecycle:
@@ -143,7 +152,7 @@ class Lifecycle:
 
     def _open(self, job: Job) -> None:
         turn = job.request.turn
-        ids = prompt_ids(self.engine.tokenizer, turn.prompt, first_turn=True)
+        ids = _turn_ids(job)
         args = turn_args(self.limits, self.engine.hparams.n_vocab, turn, ids)
         session = self.engine.open_session(ids, slot=job.slot, **args)  # None: it takes one
         owner = self.board.session_opened(job, session.session_id)  # the slot is the session's
@@ -154,7 +163,7 @@ class Lifecycle:
     def _append(self, job: Job) -> None:
         live = self._owned(job, idle=True)
         turn = job.request.turn
-        ids = prompt_ids(self.engine.tokenizer, turn.prompt, first_turn=False)
+        ids = _turn_ids(job)
         args = turn_args(self.limits, self.engine.hparams.n_vocab, turn, ids)
         session = live.session
         check_room(self.limits, self.engine.hparams.n_vocab, session, ids)
@@ -293,12 +302,13 @@ class Lifecycle:
         self.board.session_closed(session_id)
 
     def peer_gone(self, notice: PeerGone) -> None:
-        """A client's connection closed: end the jobs running on its sessions (its others were
-        flagged by the I/O thread and end at their start or next step), then close its
-        sessions, unless it may come back for them (`keep_sessions`: they wait for the idle
-        timeout)."""
+        """A client's connection closed: end its jobs running on its sessions now (its others
+        were flagged by the I/O thread and end at their start or next step), then close its
+        sessions, ending whatever runs on them, unless it may come back for them
+        (`keep_sessions`: they wait for the idle timeout, and a client that came back with the
+        session's token under another routing id keeps driving them)."""
         for live in [s for s in self.sessions.values() if s.owner.peer == notice.peer]:
-            if live.job is not None:
+            if live.job is not None and (live.job.peer == notice.peer or not notice.keep_sessions):
                 self.end(live.job, Cancelled(CancelCause.DISCONNECT))
             if not notice.keep_sessions and self.sessions.get(live.session.session_id) is live:
                 log.info("closing session %d: its client disconnected", live.session.session_id)

@@ -1,0 +1,303 @@
+"""The fault-injection suite: one daemon takes every kind of fault in turn, and after each
+one it must hold nothing (no request in flight, no session, every KV slot free), say it is
+ready, and decode a control session's greedy tokens exactly as it did before the first.
+
+The faults, in order: random frames (Hypothesis: raw bytes, oversize messages, random
+msgpack values, valid-ish requests and those with one field replaced, really run on
+throw-away sockets that vanish after them); every numeric boundary value of every op;
+clients racing aborts and closes against their own steps and generates, from several
+threads at once; clients that vanish mid-step; a client that never reads its replies;
+frame floods. Signals are the subprocess tests' (a SIGTERM while the socket is not bound,
+while the model loads, during the warm-up and during streams: test_daemon_hardening.py,
+test_daemon.py). Each test adds its figures to TALLY; the last one prints them.
+
+CPU backend, the tiny random-weight model, loopback only; a `slow` engine (0.5 ms an op)
+gives the races room to happen.
+"""
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_daemon import PROMPT, TINY, Peer, serving, slow, wait_for
+from test_daemon_hardening import CASES, decode_steps, probe, replies_to
+
+from clients.rocforge_client import connect
+from rocforge_rt.server import backlog as backlog_module
+from rocforge_rt.server.daemon import Daemon
+from rocforge_rt.server.protocol import OPS
+
+N_TOKENS = 12  # the control session's greedy tokens
+MAX_REQUEST_BYTES = 1 << 16  # room for a value nested 10,000 deep
+MAX_WAITING = 50  # replies waiting for a client before it counts as not reading
+TALLY: Counter[str] = Counter()
+
+FIELD_NAMES = sorted({"id", "deadline_ms", *(name for fields in OPS.values() for name in fields)})
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=16),
+    st.binary(max_size=16),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+VALID = {
+    "id": st.integers(0, 1000) | st.text(max_size=8),
+    "deadline_ms": st.floats(0.5, 500),
+    "session": st.integers(1, 8),
+    "prompt": st.text(max_size=20),
+    "tokens": st.lists(st.integers(0, 255), min_size=1, max_size=40),
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text()}),
+        min_size=1,
+        max_size=2,
+    ),
+    "temperature": st.floats(0, 2),
+    "top_k": st.integers(0, 50),
+    "top_p": st.floats(0.1, 1),
+    "seed": st.integers(0, 2**32),
+    "logprobs": st.integers(0, 5),
+    "stop": st.lists(st.text(max_size=4), max_size=3),
+    "max_tokens": st.integers(1, N_TOKENS),
+    "n": st.integers(1, N_TOKENS),
+    "request": st.integers(0, 1000),
+    "reset": st.booleans(),
+    "records": st.integers(0, 5),
+    "steps": st.integers(1, 10),
+    "launches": st.booleans(),
+    "kernels": st.booleans(),
+    "every": st.integers(1, 64),
+    "token": st.text(max_size=32),  # never a session's: those are 128 random bits
+    "operator_key": st.text(max_size=8),
+}
+
+
+def _requests_for(op: str) -> st.SearchStrategy[dict[str, Any]]:
+    names = ("id", "deadline_ms", *OPS[op])
+    return st.fixed_dictionaries({"op": st.just(op)}, optional={n: VALID[n] for n in names})
+
+
+valid_ish = st.sampled_from(sorted(OPS)).flatmap(_requests_for)
+runnable = st.fixed_dictionaries(
+    {"op": st.sampled_from(["open", "generate"]), "tokens": VALID["tokens"]},
+    optional={n: VALID[n] for n in ("id", "deadline_ms", "max_tokens", "temperature", "stop")},
+)
+perturbed = st.tuples(valid_ish, st.sampled_from(FIELD_NAMES), values).map(
+    lambda t: {**t[0], t[1]: t[2]}
+)
+payloads = st.one_of(
+    st.binary(max_size=2 * MAX_REQUEST_BYTES + 1000).map(lambda b: ("bytes", b)),
+    values.map(lambda v: ("msgpack value", msgpack.packb(v))),
+    runnable.map(lambda r: (f"runnable {r['op']}", msgpack.packb(r))),
+    valid_ish.map(lambda r: (f"valid-ish {r['op']}", msgpack.packb(r))),
+    perturbed.map(lambda r: (f"perturbed {r['op']}", msgpack.packb(r))),
+)
+single_frame = payloads.map(lambda p: [p])
+multi_frame = st.lists(payloads, min_size=2, max_size=4)
+messages = st.lists(st.one_of(single_frame, single_frame, multi_frame), min_size=1, max_size=4)
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_model: Path) -> Iterator[tuple[Daemon, list[int]]]:
+    """The daemon under attack, and the control session's tokens before any fault."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backlog_module, "MAX_MESSAGES", MAX_WAITING)
+        with serving(tiny_model, slow(0.0005), max_request_bytes=MAX_REQUEST_BYTES) as daemon:
+            yield daemon, control_tokens(daemon.endpoint)
+
+
+def control_tokens(endpoint: str) -> list[int]:
+    with connect(endpoint, timeout=10) as client:
+        first = client.open(tokens=PROMPT, max_tokens=N_TOKENS)
+        rest = client.step(first.session, N_TOKENS - 1)
+        client.close(first.session)
+    return [t.token for r in (first, rest) for t in r.tokens]
+
+
+@pytest.fixture(autouse=True)
+def holds_nothing_after(suite: tuple[Daemon, list[int]]) -> Iterator[None]:
+    yield
+    daemon, reference = suite
+    with connect(daemon.endpoint, timeout=10) as client:
+        wait_for(lambda: (client.health()["in_flight"], client.health()["sessions"]) == (0, 0))
+        health = client.health()
+        assert health["ready"] and health["slots_free"] == TINY["max_sessions"], health
+        assert client.stats()["kv"]["slots_in_use"] == 0
+    assert control_tokens(daemon.endpoint) == reference
+    TALLY["faults survived"] += 1
+
+
+def test_random_frames(suite: tuple[Daemon, list[int]]) -> None:
+    """A session opened before the fuzzing decodes, after it, what the control session does."""
+    daemon, reference = suite
+    context = zmq.Context.instance()
+    owner = connect(daemon.endpoint, timeout=10)
+    victim = owner.open(tokens=PROMPT, max_tokens=N_TOKENS)
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(sent=messages)
+    def fuzz(sent: list[list[tuple[str, bytes]]]) -> None:
+        attacker = context.socket(zmq.DEALER)
+        attacker.linger = 0
+        attacker.connect(daemon.endpoint)
+        for message in sent:
+            event(message[0][0] if len(message) == 1 else "multi-frame")
+            attacker.send_multipart([frame for _, frame in message])
+            TALLY["fuzzed messages"] += 1
+        attacker.poll(20)  # let the daemon start on it before the socket vanishes
+        attacker.close()
+        with connect(daemon.endpoint, timeout=5) as client:
+            assert client.health()["live"]
+
+    try:
+        fuzz()
+        rest = owner.step(victim.session, N_TOKENS - 1)
+        assert [t.token for r in (victim, rest) for t in r.tokens] == reference
+        owner.close(victim.session)
+    finally:
+        owner.disconnect()
+
+
+def test_every_numeric_boundary_value(suite: tuple[Daemon, list[int]]) -> None:
+    daemon, _ = suite
+    peer = Peer(daemon.endpoint)
+    try:
+        wrong = [(op, name, value, expected, got) for op, name, value, expected in CASES
+                 if (got := probe(peer, op, name, value)) != expected]  # fmt: skip
+    finally:
+        peer.close()
+    TALLY["boundary values"] += len(CASES)
+    assert wrong == []
+
+
+def race(endpoint: str, trials: int, cut: str) -> list[tuple[Any, Any]]:
+    """`trials` times: open a session, start a step or a generate on it, and at once `abort`
+    it by session or `close` it; each trial's (answer to the cut, how the work ended)."""
+    peer = Peer(endpoint)
+    ends = []
+    try:
+        for trial in range(trials):
+            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
+            opened = peer.until("open")[-1]
+            session, token = opened["session"], opened["token"]
+            work = {"op": "step", "n": 4096} if trial % 2 else {"op": "generate"}
+            peer.request(id="work", session=session, token=token, **work)
+            peer.request(op=cut, id="cut", session=session, token=token)
+            got = replies_to(peer, "work", "cut")
+            final, answer = got["work"][-1], got["cut"][0]
+            ends.append((
+                answer.get("aborted", answer.get("closed")),
+                (final.get("finish_reason"), final.get("abort_reason")) if final["ok"]
+                else final["error"]["code"],
+            ))  # fmt: skip
+            if cut == "abort":
+                peer.request(op="close", id="close", session=session, token=token)
+                assert peer.until("close")[-1]["ok"]
+    finally:
+        peer.close()
+    return ends
+
+
+def test_aborts_and_closes_racing_steps_from_several_clients(
+    suite: tuple[Daemon, list[int]],
+) -> None:
+    """Two clients abort, one closes (the daemon has two slots: a third client opening
+    meanwhile is answered busy, which `race` does not expect, so closes run after)."""
+    daemon, _ = suite
+    ends: dict[int, list[tuple[Any, Any]]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: ends.__setitem__(i, race(daemon.endpoint, 50, "abort")))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    aborts = ends[0] + ends[1]
+    closes = race(daemon.endpoint, 50, "close")
+    TALLY["raced aborts"] += len(aborts)
+    TALLY["raced aborts that took effect"] += sum(bool(took) for took, _ in aborts)
+    TALLY["raced closes"] += len(closes)
+    assert all(took for took, _ in aborts), f"{sum(t for t, _ in aborts)} of {len(aborts)}"
+    assert {end for _, end in aborts} <= {("abort", "client"), "aborted"}
+    assert all(took for took, _ in closes)
+    assert {end for _, end in closes} <= {("abort", "close"), "aborted"}
+
+
+def test_clients_that_vanish_mid_stream(suite: tuple[Daemon, list[int]]) -> None:
+    """Each goes after its stream's first token: the 39 steps left of its turn are not run."""
+    daemon, _ = suite
+    for _ in range(4):
+        before = decode_steps(daemon.endpoint)
+        peer = Peer(daemon.endpoint)
+        try:
+            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
+            opened = peer.until("open")[-1]
+            session, token = opened["session"], opened["token"]
+            peer.request(op="generate", id="gen", session=session, token=token)
+            peer.recv()  # under way
+        finally:
+            peer.close()
+        with connect(daemon.endpoint, timeout=5) as client:
+            wait_for(lambda: client.health()["in_flight"] == 0)
+        steps = decode_steps(daemon.endpoint) - before
+        assert steps < 20, f"{steps} decode steps ran for a client that had gone"
+        TALLY["vanished clients"] += 1
+        TALLY["decode steps run for vanished clients"] += steps
+
+
+def test_a_client_that_never_reads(suite: tuple[Daemon, list[int]]) -> None:
+    daemon, _ = suite
+    sloth = Peer(daemon.endpoint)
+    sloth.socket.rcvhwm = 1
+    sloth.socket.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        sloth.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
+        opened = sloth.until("open")[-1]
+        sloth.request(op="generate", id="gen", session=opened["session"], token=opened["token"])
+        for i in range(20_000):  # its replies pile up past MAX_WAITING
+            sloth.request(op="health", id=i)
+        TALLY["replies a slow reader left unread"] += 20_000
+        with connect(daemon.endpoint, timeout=5) as other:
+            wait_for(lambda: other.health()["in_flight"] == 0, timeout=10)  # its stream stopped
+    finally:
+        sloth.close()
+
+
+def test_frame_floods(suite: tuple[Daemon, list[int]]) -> None:
+    daemon, _ = suite
+    flood = Peer(daemon.endpoint)
+    flood.socket.sndhwm = 0
+    try:
+        for n in (4, 1000, 1_000_000):
+            flood.send(*[b""] * n)
+            reply = flood.recv(timeout=10)
+            assert reply["error"]["code"] == "bad_request" and "frames" in reply["error"]["message"]
+            TALLY["flooded frames"] += n
+    finally:
+        flood.close()
+
+
+def test_zz_the_tally(suite: tuple[Daemon, list[int]]) -> None:
+    """Runs last (pytest keeps file order): what the daemon took, and that it took it all."""
+    print("\nfault suite:", ", ".join(f"{name} {count}" for name, count in TALLY.items()))
+    assert TALLY["faults survived"] == 6
