@@ -410,16 +410,20 @@ def thirty_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_model("smollm2-135m", out, seed=1, progress=False)
 
 
+def assert_sigterm_exits_0_within_2_s(process: Any, log_line: str) -> None:
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert process.wait(10) == 0
+    assert time.monotonic() - sent < 2.0
+    assert log_line in process.stderr.read()
+
+
 def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -> None:
     process, addr = spawn_serve(["-c", SLOW_UPLOAD], thirty_layers, ctx_size=64)
     try:
         with connect(addr, timeout=10) as client:
             assert client.health()["state"] == "loading"
-        process.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        assert process.wait(10) == 0
-        assert time.monotonic() - sent < 2.0
-        assert "stopped while loading" in process.stderr.read()
+        assert_sigterm_exits_0_within_2_s(process, "stopped while loading")
     finally:
         process.kill()
         process.wait()
@@ -446,11 +450,7 @@ def test_sigterm_before_the_socket_is_bound_exits_0_within_2_s(tiny_model: Path)
     process, _ = spawn_serve(["-c", SLOW_PLAN], tiny_model, ctx_size=64)
     try:
         assert process.stderr.readline().strip() == "checking the plan"
-        process.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        assert process.wait(10) == 0
-        assert time.monotonic() - sent < 2.0
-        assert "SIGTERM received before serving: stopped" in process.stderr.read()
+        assert_sigterm_exits_0_within_2_s(process, "SIGTERM received before serving: stopped")
     finally:
         process.kill()
         process.wait()
