@@ -162,3 +162,23 @@ def test_the_backlog_keeps_each_clients_replies_in_order_and_counts_both_bounds(
     assert backlog.drop(b"b") == (4, 8) and not backlog
     assert backlog.send([b"b", b"x" * 99], send)  # 100 bytes with its routing id
     assert not backlog.send([b"b", b"y"], send)  # 102
+
+
+def test_a_client_found_gone_while_its_backlog_flushes_leaves_the_others_flushing() -> None:
+    backlog = backlog_module.Backlog()
+    full = {b"gone", b"ok"}
+    sent: list[list[bytes]] = []
+
+    def send(frames: list[bytes]) -> bool:
+        if frames[0] in full:
+            return False
+        if frames[0] == b"gone":  # what the daemon does on EHOSTUNREACH: drop, count as sent
+            backlog.drop(b"gone")
+        sent.append(frames)
+        return True
+
+    for peer in (b"gone", b"ok"):
+        assert backlog.send([peer, b"1"], send) and backlog.send([peer, b"2"], send)
+    full.clear()
+    backlog.flush(send)
+    assert sent == [[b"gone", b"1"], [b"ok", b"1"], [b"ok", b"2"]] and not backlog

@@ -207,31 +207,39 @@ def replies_to(peer: Peer, *rids: Any, timeout: float = 10.0) -> dict[Any, list[
     return got
 
 
+def race(endpoint: str, trials: int, cut: str) -> list[tuple[Any, Any]]:
+    """`trials` times: open a session, start a step or a generate on it, and at once `abort`
+    it by session or `close` it; each trial's (answer to the cut, how the work ended)."""
+    peer = Peer(endpoint)
+    ends = []
+    try:
+        for trial in range(trials):
+            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
+            opened = peer.until("open")[-1]
+            session, token = opened["session"], opened["token"]
+            work = {"op": "step", "n": 4096} if trial % 2 else {"op": "generate"}
+            peer.request(id="work", session=session, token=token, **work)
+            peer.request(op=cut, id="cut", session=session, token=token)
+            got = replies_to(peer, "work", "cut")
+            final, answer = got["work"][-1], got["cut"][0]
+            ends.append((
+                answer.get("aborted", answer.get("closed")),
+                (final.get("finish_reason"), final.get("abort_reason")) if final["ok"]
+                else final["error"]["code"],
+            ))  # fmt: skip
+            if cut == "abort":
+                peer.request(op="close", id="close", session=session, token=token)
+                assert peer.until("close")[-1]["ok"]
+    finally:
+        peer.close()
+    return ends
+
+
 def test_an_abort_sent_right_after_a_request_on_the_session_always_reaches_it(
     tiny_model: Path,
 ) -> None:
     with serving(tiny_model, slow(0.0005)) as daemon:
-        peer = Peer(daemon.endpoint)
-        try:
-            ends = []
-            for trial in range(100):
-                peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
-                opened = peer.until("open")[-1]
-                session, token = opened["session"], opened["token"]
-                work = {"op": "step", "n": 4096} if trial % 2 else {"op": "generate"}
-                peer.request(id="work", session=session, token=token, **work)
-                peer.request(op="abort", id="abort", session=session, token=token)
-                got = replies_to(peer, "work", "abort")
-                final = got["work"][-1]
-                ends.append(
-                    (got["abort"][0]["aborted"],
-                     (final.get("finish_reason"), final.get("abort_reason")) if final["ok"]
-                     else final["error"]["code"])
-                )  # fmt: skip
-                peer.request(op="close", id="close", session=session, token=token)
-                assert peer.until("close")[-1]["ok"]
-        finally:
-            peer.close()
+        ends = race(daemon.endpoint, 100, "abort")
         assert all(aborted for aborted, _ in ends), f"{sum(a for a, _ in ends)} of 100 aborted"
         assert {end for _, end in ends} <= {("abort", "client"), "aborted"}
         assert_every_slot_is_free(daemon.endpoint)

@@ -27,7 +27,7 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_daemon import PROMPT, TINY, Peer, serving, slow, wait_for
-from test_daemon_hardening import CASES, decode_steps, probe, replies_to
+from test_daemon_hardening import CASES, decode_steps, probe, race
 
 from clients.rocforge_client import connect
 from rocforge_rt.server import backlog as backlog_module
@@ -187,34 +187,6 @@ def test_every_numeric_boundary_value(suite: tuple[Daemon, list[int]]) -> None:
         peer.close()
     TALLY["boundary values"] += len(CASES)
     assert wrong == []
-
-
-def race(endpoint: str, trials: int, cut: str) -> list[tuple[Any, Any]]:
-    """`trials` times: open a session, start a step or a generate on it, and at once `abort`
-    it by session or `close` it; each trial's (answer to the cut, how the work ended)."""
-    peer = Peer(endpoint)
-    ends = []
-    try:
-        for trial in range(trials):
-            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
-            opened = peer.until("open")[-1]
-            session, token = opened["session"], opened["token"]
-            work = {"op": "step", "n": 4096} if trial % 2 else {"op": "generate"}
-            peer.request(id="work", session=session, token=token, **work)
-            peer.request(op=cut, id="cut", session=session, token=token)
-            got = replies_to(peer, "work", "cut")
-            final, answer = got["work"][-1], got["cut"][0]
-            ends.append((
-                answer.get("aborted", answer.get("closed")),
-                (final.get("finish_reason"), final.get("abort_reason")) if final["ok"]
-                else final["error"]["code"],
-            ))  # fmt: skip
-            if cut == "abort":
-                peer.request(op="close", id="close", session=session, token=token)
-                assert peer.until("close")[-1]["ok"]
-    finally:
-        peer.close()
-    return ends
 
 
 def test_aborts_and_closes_racing_steps_from_several_clients(

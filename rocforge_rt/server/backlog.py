@@ -52,11 +52,13 @@ class Backlog:
 
     def flush(self, send: Send) -> None:
         """Send what now fits, oldest first, client by client."""
-        for peer in list(self._waiting):
-            waiting = self._waiting[peer]
-            while waiting.replies and send(waiting.replies[0]):
+        for peer, waiting in list(self._waiting.items()):
+            # a send may find the client gone: its replies are dropped meanwhile
+            while self._waiting.get(peer) is waiting and waiting.replies:
+                if not send(waiting.replies[0]):
+                    break
                 waiting.nbytes -= sum(len(f) for f in waiting.replies.popleft())
-            if not waiting.replies:
+            if self._waiting.get(peer) is waiting and not waiting.replies:
                 del self._waiting[peer]
 
     def drop(self, peer: bytes) -> tuple[int, int]:
