@@ -68,24 +68,7 @@ void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_REST
     const int row = blockIdx.x;
     const int n_blocks = k / RF_QK;
     const float* xr = x + (int64_t)row * k;
-    float inv_rms = 1.0f;
-    if (gain != nullptr) {
-        float ss = 0.0f;
-        for (int i = threadIdx.x * 4; i < k; i += RF_Q8_THREADS * 4) {
-            const rf_gemm_f32x4 v = *(const rf_gemm_f32x4*)(xr + i);
-            ss += rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
-        }
-        ss = rf_warp_sum(ss);
-        if (threadIdx.x % RF_WARP_SIZE == 0) {
-            s_partial[threadIdx.x / RF_WARP_SIZE] = ss;
-        }
-        __syncthreads();
-        float total = 0.0f;
-        for (int w = 0; w < RF_Q8_THREADS / RF_WARP_SIZE; ++w) {
-            total += s_partial[w];
-        }
-        inv_rms = rf_inv_rms(total, k, eps);
-    }
+    const float inv_rms = gain != nullptr ? rf_row_inv_rms(xr, k, eps, s_partial) : 1.0f;
     // Eight lanes per 32-element block, four elements each; every lane runs every
     // iteration (uniform trip count) so the shuffles see whole warps.
     const int sub = threadIdx.x & 7;
@@ -376,7 +359,7 @@ RF_DEVICE_INLINE void rf_gemm(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                     if (epilogue == RF_EPILOGUE_RESIDUAL) {
                         y += residual[o];
                     } else if (swiglu) {
-                        y = y / (1.0f + expf(-y)) * acc[(i + 2) & 3][j][e];  // the up row
+                        y = rf_swiglu(y, acc[(i + 2) & 3][j][e]);  // the up row
                     }
                     out[o] = y;
                 }

@@ -445,7 +445,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                         const int64_t o = (int64_t)t * n + row;
                         float y = total[j][t];
                         if (SWIGLU) {
-                            y = y / (1.0f + expf(-y)) * total[NW - NO + j][t];
+                            y = rf_swiglu(y, total[NW - NO + j][t]);
                         } else if (epilogue == RF_EPILOGUE_RESIDUAL) {
                             y += residual[o];
                         }

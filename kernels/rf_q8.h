@@ -38,6 +38,36 @@ RF_DEVICE_INLINE float rf_normalize(float v, float inv_rms, float gain) {
     return v * inv_rms * gain;
 }
 
+struct alignas(16) rf_q8_f32x4 {
+    float v[4];
+};
+
+// inv_rms of row xr (k floats, 16-byte aligned) for a block of RF_Q8_NORM_THREADS threads,
+// in the order described above; `partial` is shared memory of one float per warp. Every
+// thread of the block calls it and gets the same value.
+RF_DEVICE_INLINE float rf_row_inv_rms(const float* xr, int k, float eps, float* partial) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x * 4; i < k; i += RF_Q8_NORM_THREADS * 4) {
+        const rf_q8_f32x4 v = *(const rf_q8_f32x4*)(xr + i);
+        ss += rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
+    }
+    ss = rf_warp_sum(ss);
+    if (threadIdx.x % RF_WARP_SIZE == 0) {
+        partial[threadIdx.x / RF_WARP_SIZE] = ss;
+    }
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < RF_Q8_NORM_THREADS / RF_WARP_SIZE; ++w) {
+        total += partial[w];
+    }
+    return rf_inv_rms(total, k, eps);
+}
+
+// The SwiGLU epilogue of the gate|up projection: silu(gate) * up.
+RF_DEVICE_INLINE float rf_swiglu(float gate, float up) {
+    return gate / (1.0f + expf(-gate)) * up;
+}
+
 RF_DEVICE_INLINE float rf_q8_scale(float amax) {
     return amax / 127.0f;
 }

@@ -7,7 +7,11 @@ from pathlib import Path
 
 from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.errors import RocforgeError
-from rocforge_rt.server.cli_commands import add_generation_options, add_server_commands
+from rocforge_rt.server.cli_commands import (
+    BATCH_INVARIANT_HELP,
+    add_generation_options,
+    add_server_commands,
+)
 
 MIN_CTX_SIZE = 2  # a prompt token and a generated one
 
@@ -41,7 +45,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             " cannot read a text prompt or write text; use a model with a vocabulary"
             " (a model without one serves token ids through `rocforge serve`)"
         )
-    engine = Engine.load(model, backend=args.backend, n_ctx=args.ctx_size)
+    engine = Engine.load(
+        model, backend=args.backend, n_ctx=args.ctx_size, batch_invariant=args.batch_invariant
+    )
     text = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -92,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
     add_generation_options(gen)
     gen.add_argument("--ctx-size", type=_ctx_size, default=2048, help="tokens (>= 2)")
+    gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     gen.set_defaults(func=_cmd_generate)
 

@@ -131,3 +131,15 @@ def test_serve_and_the_operator_commands_take_the_session_quota_and_operator_key
     assert (serve.max_sessions_per_client, serve.operator_key) == (2, "k")
     for command in (["client", "stats"], ["client", "trace"], ["client", "profile"], ["trace"]):
         assert parser.parse_args([*command, "--operator-key", "k"]).operator_key == "k"
+
+
+def test_serve_and_generate_take_batch_invariance_off_by_default(tiny_model):
+    from rocforge_rt.cli import build_parser
+    from rocforge_rt.server.config import DaemonConfig, plan
+
+    parser = build_parser()
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        assert parser.parse_args(command).batch_invariant is False
+        assert parser.parse_args([*command, "--batch-invariant"]).batch_invariant is True
+    engine_plan = plan(DaemonConfig(model=tiny_model, backend="cpu", batch_invariant=True))
+    assert engine_plan.build(lambda: False).backend.device_info()["batch_invariant"] is True

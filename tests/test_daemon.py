@@ -191,7 +191,7 @@ def test_info_reports_protocol_model_backend_and_limits(client) -> None:
     info = client.info()
     assert info["protocol_version"] == 1
     assert info["model"]["n_vocab"] == 256 and info["model"]["tokenizer"] is False
-    assert info["backend"] == "cpu"
+    assert info["backend"] == "cpu" and info["device"]["batch_invariant"] is True
     assert info["limits"]["ctx_size"] == 64 and info["limits"]["max_sessions"] == 2
     assert info["kv"]["pool_bytes"] == 2 * 64 * info["kv"]["bytes_per_token"]
 

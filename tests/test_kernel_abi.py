@@ -188,7 +188,10 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         *[StepBatch.decode([1, 2], [16 + i, 6 + i], [0, 1], sampled) for i in range(2)],
     ]
     with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16, mode=mode)
+        gpu = GpuBackend(
+            driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16, mode=mode,
+            batch_invariant=True,
+        )  # fmt: skip
         model = random_model(gpu, hp, np.random.default_rng(1))
         gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
         for batch in batches:
@@ -210,6 +213,55 @@ def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
     )
     table = gpu.embedding(weight(rng, hp.n_vocab, hp.n_embd, Q.Q8_0))
     return ModelWeights(table, [layer], norm(), gpu.linear(weight(rng, hp.n_vocab, hp.n_embd)))
+
+
+class RecordingGemm:
+    """Stands in for cuBLAS/hipBLAS: records each GEMM's arguments."""
+
+    library = "fakeblas"
+
+    def __init__(self, *args: object) -> None:
+        self.calls: list[dict] = []
+
+    def gemm(self, **kwargs: object) -> None:
+        self.calls.append(kwargs)
+
+
+def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not batch invariant, a 12-row chunk multiplies Q|K|V, O, gate|up and down once each
+    (the residual ones accumulating, gate|up into fp16) and the LM head in slabs of the fp16
+    weight scratch that cover its rows once, each into its own band of output columns."""
+    blas = RecordingGemm()
+    monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
+    hp = hparams(n_vocab=8192)
+    with FakeDriver(signatures()) as driver:
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16)
+        assert not gpu.batch_invariant
+        model = random_model(gpu, hp, np.random.default_rng(1))
+        batch = StepBatch.prefill(list(range(12)), 0, 0, "all")
+        gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
+        kernels = {kernel for _, kernel, _ in driver.log}
+        w16, w16_bytes, logits = (
+            gpu.workspace.w16.ptr,
+            gpu.workspace.w16.nbytes,
+            gpu.workspace.logits.ptr,
+        )
+    qkv = hp.q_dim + hp.kv_dim_k + hp.kv_dim_v
+    # (n, out pitch, accumulate, fp16 out) of Q|K|V, O, gate|up, down:
+    layer = [(qkv, qkv, False, False), (hp.n_embd, hp.n_embd, True, False),
+             (2 * hp.n_ff, 2 * hp.n_ff, False, True), (hp.n_embd,) * 2 + (True, False)]  # fmt: skip
+    got = [(c["n"], c["out_pitch"], c["accumulate"], c["out_f16"]) for c in blas.calls]
+    assert got[:4] == layer
+    assert all(c["rows"] == 12 and c["w_ptr"] == w16 for c in blas.calls)
+    head = blas.calls[4:]
+    slab = w16_bytes // (2 * hp.n_embd)
+    assert [c["n"] for c in head] == [slab, slab, hp.n_vocab - 2 * slab]
+    offsets = [c["out_ptr"] - logits for c in head]
+    assert offsets == [0, slab * 4, 2 * slab * 4] and {c["out_pitch"] for c in head} == {8192}
+    assert {"rf_rows_f16", "rf_dequant_f16_q4_0", "rf_swiglu_f16"} <= kernels
+    assert not kernels & {"rf_quantize_q8_rows", "rf_gemm_q4_0"}
 
 
 def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:

@@ -49,13 +49,17 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
 
     Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens`, `mode`
-    (per-kernel-sync, deferred, graph) and `overlap` (programmatic dependent launch,
-    on by default where the device has it) for the GPU backends.
+    (per-kernel-sync, deferred, graph), `overlap` (programmatic dependent launch, on by
+    default where the device has it) and `batch_invariant` (prompt chunks on the int8
+    GEMM instead of the vendor GEMM) for the GPU backends. The CPU backend is batch
+    invariant whatever `batch_invariant` says.
     """
     resolved = resolve_backend_name(name)
     if resolved == "cpu":
         from rocforge_rt.backends.cpu import CpuBackend
 
+        options.pop("batch_invariant", None)
+        options.pop("max_tokens", None)
         return CpuBackend(hparams, n_slots, n_ctx, **options)
     from rocforge_rt.backends.gpu.backend import GpuBackend
 

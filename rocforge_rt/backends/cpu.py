@@ -224,7 +224,9 @@ class CpuBackend:
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
 
     def device_info(self) -> dict[str, object]:
-        return {"backend": self.name, "device": "cpu", "threads": os.cpu_count()}
+        # Row-independent matmuls: a token's logits do not depend on the rows beside it.
+        return {"backend": self.name, "device": "cpu", "threads": os.cpu_count(),
+                "batch_invariant": True}  # fmt: skip
 
     def to_host(self, values: np.ndarray) -> np.ndarray:
         return values

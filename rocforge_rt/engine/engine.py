@@ -95,6 +95,8 @@ class Engine:
         model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
         _stop_point(should_stop)
+        # A GPU step holds a whole prompt chunk (or one row per session).
+        backend_options.setdefault("max_tokens", max(prefill_chunk, n_slots))
         device = create_backend(
             backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, **backend_options
         )
@@ -266,10 +268,12 @@ class Engine:
     def logits(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
         """Logits after every position of `tokens` (teacher forcing), from an empty context.
 
-        Runs chunk by chunk, as a prefill does; the slot's cache is overwritten.
+        Runs chunk by chunk, as a prefill does (chunks no longer than the backend's logits
+        rows); the slot's cache is overwritten.
         """
         rows = []
-        for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = list(tokens[start : start + self.prefill_chunk])
+        step = min(self.prefill_chunk, getattr(self.backend, "max_logit_rows", self.prefill_chunk))
+        for start in range(0, len(tokens), step):
+            chunk = list(tokens[start : start + step])
             rows.append(self._run(StepBatch.prefill(chunk, start, slot, "all"), True).logits)
         return np.concatenate(rows, axis=0)

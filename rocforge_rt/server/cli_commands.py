@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         max_request_bytes=args.max_request_bytes,
         prefill_chunk=args.prefill_chunk,
+        batch_invariant=args.batch_invariant,
         curve_keys=Path(args.curve_keys) if args.curve_keys else None,
         max_sessions_per_client=args.max_sessions_per_client,
         operator_key=args.operator_key,
@@ -439,6 +440,12 @@ def _add_trace_command(sub: Any) -> None:
     trace.set_defaults(func=_cmd_client_trace)
 
 
+BATCH_INVARIANT_HELP = (
+    "GPU: a token's logits identical alone, batched or in a prompt chunk (prompt chunks on"
+    " the int8 GEMM instead of cuBLAS/hipBLAS in fp16: slower prompts)"
+)
+
+
 def add_server_commands(sub: Any) -> None:
     """Register serve, client, keys and demo on the `rocforge` subparsers."""
     serve = sub.add_parser("serve", help="run the ZeroMQ daemon")
@@ -462,6 +469,7 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument("--max-new-tokens", type=int, help="per turn (default: ctx size)")
     serve.add_argument("--max-request-bytes", type=parse_size, default=1 << 20)
     serve.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    serve.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
     serve.add_argument(
         "--max-sessions-per-client",

@@ -41,6 +41,7 @@ class DaemonConfig:
     max_new_tokens: int | None = None  # None: the context size
     max_request_bytes: int = 1 << 20
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    batch_invariant: bool = False  # GPU: every prompt chunk on the int8 GEMM (slower, exact)
     curve_keys: Path | None = None
     max_sessions_per_client: int | None = None  # None: --max-sessions (no extra limit)
     operator_key: str | None = None  # stats reset, trace, profile off loopback; None: refused
@@ -133,6 +134,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             n_slots=config.max_sessions,
             n_ctx=n_ctx,
             prefill_chunk=config.prefill_chunk,
+            batch_invariant=config.batch_invariant,
             slots=slots,
             should_stop=should_stop,
         )

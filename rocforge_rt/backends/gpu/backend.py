@@ -21,6 +21,7 @@ from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.matmul import DeviceMatrix, Matmul, repack_rows
 from rocforge_rt.backends.gpu.rope import RopeKvAppend
 from rocforge_rt.backends.gpu.sampling import Sampling
+from rocforge_rt.backends.gpu.vendor_blas import open_vendor_gemm
 from rocforge_rt.backends.gpu.workspace import Activation, Workspace
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -29,6 +30,10 @@ from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import StepOutput
+
+# Logits rows a step may ask for, at least (more where there are more sessions): a
+# prompt chunk asks for one, a teacher-forced one (Engine.logits) for up to this many.
+MIN_LOGIT_ROWS = 256
 
 
 class GpuBackend:
@@ -53,6 +58,7 @@ class GpuBackend:
         max_tokens: int = 512,
         mode: str = "graph",
         overlap: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         check_mode(mode)
         check_attention_shapes(hparams)
@@ -67,10 +73,30 @@ class GpuBackend:
         self.launcher = Launcher(driver, self.stream, KernelLibrary(compiler), self.launch_tracker)
         self.kernel_timer = KernelTimer(driver, self.stream)
         self.workspace = ws = Workspace(
-            driver, hparams, n_slots=n_slots, n_ctx=n_ctx, max_tokens=max_tokens
+            driver,
+            hparams,
+            n_slots=n_slots,
+            n_ctx=n_ctx,
+            max_tokens=max_tokens,
+            max_logit_rows=min(max_tokens, max(n_slots, MIN_LOGIT_ROWS)),
+            vendor_gemm=not batch_invariant,
         )
+        vendor_gemm = None
+        if not batch_invariant:
+            scratch = ws.blas_scratch
+            vendor_gemm = open_vendor_gemm(
+                driver.info.vendor, self.stream.handle, scratch.ptr, scratch.nbytes
+            )
         launcher = self.launcher
-        self.matmul = Matmul(driver, launcher, ws, hparams, n_ctx=n_ctx, max_tokens=max_tokens)
+        self.matmul = Matmul(
+            driver,
+            launcher,
+            ws,
+            hparams,
+            n_ctx=n_ctx,
+            max_tokens=max_tokens,
+            vendor_gemm=vendor_gemm,
+        )
         self.embed = Embedding(launcher, ws, hparams)
         self.rope = RopeKvAppend(launcher, ws, hparams, n_ctx=n_ctx)
         self.attention = Attention(driver, launcher, ws, hparams, n_ctx=n_ctx)
@@ -116,9 +142,33 @@ class GpuBackend:
     def use_prefill_gemm(self, value: bool) -> None:
         self.matmul.use_prefill_gemm = value
 
+    @property
+    def max_logit_rows(self) -> int:
+        """The most rows of one step that may ask for logits."""
+        return self.workspace.max_logit_rows
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's outputs are the same alone, batched or in a prompt chunk (the
+        int8 GEMM for every chunk); False: prompt chunks take the vendor GEMM."""
+        return self.matmul.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, value: bool) -> None:
+        self.matmul.batch_invariant = value
+
     def device_info(self) -> dict[str, object]:
         info = self.driver.info
-        return {"backend": self.name, "device": info.name, "arch": info.arch}
+        return {
+            "backend": self.name,
+            "device": info.name,
+            "arch": info.arch,
+            "batch_invariant": self.batch_invariant,
+            "prompt_gemm": "int8" if self.batch_invariant else self.matmul.vendor_gemm.library,
+            "max_tokens": self.max_tokens,
+            "max_logit_rows": self.workspace.max_logit_rows,
+            "device_bytes": self.workspace.device_bytes(),
+        }
 
     # --- weights -------------------------------------------------------------------------
     def linear(self, *tensors: WeightTensor) -> DeviceMatrix:

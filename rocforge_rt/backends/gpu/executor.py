@@ -89,9 +89,13 @@ class StepExecutor:
         wrote each row's next token and advanced its position. The copy is issued on
         the step's stream, so it lands before the launches (or graph) that read it.
         """
-        n = batch.n_tokens
+        n, rows = batch.n_tokens, len(batch.logit_rows)
         if n > self.max_tokens:
             raise BackendError(f"{n} tokens in one step; this backend takes {self.max_tokens}")
+        if rows > self.ws.max_logit_rows:
+            raise BackendError(
+                f"{rows} logits rows in one step; this backend takes {self.ws.max_logit_rows}"
+            )
         wanted = self._state_bytes(batch)
         if wanted == self._device_state:
             return
@@ -169,11 +173,11 @@ class StepExecutor:
             tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
         self.steps += 1
         ws = self.ws
-        tokens = ws.sampled_host.view(np.int32, (self.max_tokens,))[:rows].copy()
-        logprobs = ws.logprob_host.view(np.float32, (self.max_tokens,))[:rows].copy()
+        tokens = ws.sampled_host.view(np.int32, (ws.max_logit_rows,))[:rows].copy()
+        logprobs = ws.logprob_host.view(np.float32, (ws.max_logit_rows,))[:rows].copy()
         host_logits = None
         if want_logits:
-            shape = (self.max_tokens, self.n_vocab)
+            shape = (ws.max_logit_rows, self.n_vocab)
             host_logits = ws.logits_host.view(np.float32, shape)[:rows].copy()
         # The sampler advanced the step state to the next decode step of these rows.
         self._device_state = self._state_bytes(batch, tokens, 1) if decode_shape else None
@@ -186,7 +190,7 @@ class StepExecutor:
         counts = batch.sampling.params["logprobs"]
         if not top:
             return ((),) * len(counts)
-        shape = (self.max_tokens, SAMPLE_MAX_TOP)
+        shape = (self.ws.max_logit_rows, SAMPLE_MAX_TOP)
         ids = self.ws.top_tokens_host.view(np.int32, shape)
         values = self.ws.top_logprobs_host.view(np.float32, shape)
         return tuple(

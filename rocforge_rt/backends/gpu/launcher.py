@@ -8,7 +8,8 @@ applies to the step being issued: overlap, the kernel timer, capture recording a
 the per-kernel synchronization of that mode.
 """
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
@@ -94,5 +95,22 @@ class Launcher:
             timer.after()
         if self.recording is not None:
             self.recording.append(handle)
+        if self.sync_each:
+            self.stream.synchronize()
+
+    def call_library(self, name: str, call: Callable[[], None]) -> None:
+        """Run a library routine that queues work on the stream (the vendor GEMM), timed and
+        tracked as a kernel named `name`. Under capture its kernels join the graph; they
+        take no launch handle, so only launch handles' changes make a graph stale."""
+        timer = self.timer
+        if timer is not None:
+            timer.before(name)
+        start = time.perf_counter_ns()
+        call()
+        end = time.perf_counter_ns()
+        if self.tracker.enabled:
+            self.tracker.launched(name, start, end)
+        if timer is not None:
+            timer.after()
         if self.sync_each:
             self.stream.synchronize()

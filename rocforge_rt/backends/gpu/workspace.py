@@ -1,7 +1,8 @@
 """Every device and pinned buffer the GPU backend's steps use, allocated once at start-up.
 
-Sized from the model's hyper-parameters, the KV pool (n_slots x n_ctx) and the most
-tokens a step takes (max_tokens); nothing is allocated per step. The launch code
+Sized from the model's hyper-parameters, the KV pool (n_slots x n_ctx), the most
+tokens a step takes (max_tokens) and the most of them that ask for logits
+(max_logit_rows); nothing is allocated per step. The launch code
 of each op family reads the buffers it needs from here; weights are uploaded
 through `upload` and kept alive here as well.
 """
@@ -23,6 +24,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     SAMPLE_MAX_TOP,
     SAMPLE_SLICE,
 )
+from rocforge_rt.backends.gpu.vendor_blas import WORKSPACE_BYTES as VENDOR_WORKSPACE_BYTES
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE
@@ -52,10 +54,19 @@ class Workspace:
     """
 
     def __init__(
-        self, driver: Any, hparams: HParams, *, n_slots: int, n_ctx: int, max_tokens: int
+        self,
+        driver: Any,
+        hparams: HParams,
+        *,
+        n_slots: int,
+        n_ctx: int,
+        max_tokens: int,
+        max_logit_rows: int,
+        vendor_gemm: bool,
     ) -> None:
         self.driver = driver
         self._allocated: list[Any] = []
+        self._uploaded = 0  # bytes of `upload`ed arrays
         hp = hparams
         f32 = 4
         self.gate = driver.alloc_pinned(4)  # the flag rf_hold waits on (device-readable)
@@ -73,35 +84,49 @@ class Workspace:
         self.step_state = (self.step_tokens, self.step_positions, self.step_slots,
                            self.step_sampling)  # fmt: skip
         self.staging = [driver.alloc_pinned(buf.nbytes) for buf in self.step_state]
+        # Logits rows a step may ask for (one per session; a teacher-forced chunk's):
+        self.max_logit_rows = rows = max_logit_rows
         # Sampling results (token, its log-probability, the alternatives asked for), read
         # back through pinned memory; the argmax's row statistics for the sampler.
-        self.sampled = self.zeros(max_tokens * 4)
-        self.sampled_logprob = self.zeros(max_tokens * 4)
-        self.row_stats = self.zeros(max_tokens * ROW_STATS_BYTES)
+        self.sampled = self.zeros(rows * 4)
+        self.sampled_logprob = self.zeros(rows * 4)
+        self.row_stats = self.zeros(rows * ROW_STATS_BYTES)
         # The sampler's per-slice candidates and totals (none past SAMPLE_MAX_SLICES slices:
         # the sampler then takes its general path alone).
         slices = math.ceil(hp.n_vocab / SAMPLE_SLICE)
         self.sample_slices = slices if slices <= SAMPLE_MAX_SLICES else 0
-        self.sample_candidates = self.zeros(max_tokens * slices * SAMPLE_CANDIDATES * 8)
-        self.sample_slice_sums = self.zeros(max_tokens * slices * 8)
-        self.top_tokens = self.zeros(max_tokens * SAMPLE_MAX_TOP * 4)
-        self.top_logprobs = self.zeros(max_tokens * SAMPLE_MAX_TOP * 4)
-        self.sampled_host = driver.alloc_pinned(max_tokens * 4)
-        self.logprob_host = driver.alloc_pinned(max_tokens * 4)
-        self.top_tokens_host = driver.alloc_pinned(max_tokens * SAMPLE_MAX_TOP * 4)
-        self.top_logprobs_host = driver.alloc_pinned(max_tokens * SAMPLE_MAX_TOP * 4)
-        self.logits_host = driver.alloc_pinned(max_tokens * hp.n_vocab * 4)
+        self.sample_candidates = self.zeros(rows * slices * SAMPLE_CANDIDATES * 8)
+        self.sample_slice_sums = self.zeros(rows * slices * 8)
+        self.top_tokens = self.zeros(rows * SAMPLE_MAX_TOP * 4)
+        self.top_logprobs = self.zeros(rows * SAMPLE_MAX_TOP * 4)
+        self.sampled_host = driver.alloc_pinned(rows * 4)
+        self.logprob_host = driver.alloc_pinned(rows * 4)
+        self.top_tokens_host = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
+        self.top_logprobs_host = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
+        self.logits_host = driver.alloc_pinned(rows * hp.n_vocab * 4)
         # Activations.
         self.x = self.zeros(max_tokens * hp.n_embd * f32)
         self.qkv = self.zeros(max_tokens * (hp.q_dim + hp.kv_dim_k + hp.kv_dim_v) * f32)
         self.q = self.zeros(max_tokens * hp.q_dim * f32)
         self.attn = self.zeros(max_tokens * hp.n_head * hp.head_dim_v * f32)
         self.h = self.zeros(max_tokens * hp.n_ff * f32)
-        self.logits = self.zeros(max_tokens * hp.n_vocab * f32)
+        self.logits = self.zeros(rows * hp.n_vocab * f32)
         # Prefill GEMM input: activation rows quantized to int8 per block, and their scales.
         self.gemm_max_k = max(hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim_v)
         self.xq = self.zeros(max_tokens * self.gemm_max_k)
         self.xq_d = self.zeros(max_tokens * (self.gemm_max_k // QK) * f32)
+        # The vendor GEMM's operands (when it is on): rows in fp16, one layer matrix in
+        # fp16 (bigger ones, the LM head, go in slabs of rows), gate|up outputs in fp16,
+        # and the library's own scratch.
+        if vendor_gemm:
+            f16 = 2
+            qkv = hp.q_dim + hp.kv_dim_k + hp.kv_dim_v
+            layer_matrices = (qkv * hp.n_embd, hp.n_embd * hp.n_head * hp.head_dim_v,
+                              2 * hp.n_ff * hp.n_embd, hp.n_embd * hp.n_ff)  # fmt: skip
+            self.x16 = self.zeros(max_tokens * self.gemm_max_k * f16)
+            self.w16 = self.zeros(max(layer_matrices) * f16)
+            self.gate_up16 = self.zeros(max_tokens * 2 * hp.n_ff * f16)
+            self.blas_scratch = self.zeros(VENDOR_WORKSPACE_BYTES)
         # Decode attention's per-segment states, for the tokens of a decode step (one per
         # session, or a short prompt chunk); counters start at zero and the kernel resets them.
         self.attn_segments = math.ceil(n_ctx / ATTN_SEGMENT)
@@ -112,9 +137,15 @@ class Workspace:
         self.attn_counters = self.zeros(self.attn_decode_rows * hp.n_head_kv * 4)
         # Argmax slices per row, their partial results and counters (zero; the kernel resets).
         self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
-        self.argmax_partial = self.zeros(max_tokens * self.argmax_slices * ARGMAX_PART_BYTES)
-        self.argmax_counters = self.zeros(max_tokens * 4)
+        self.argmax_partial = self.zeros(rows * self.argmax_slices * ARGMAX_PART_BYTES)
+        self.argmax_counters = self.zeros(rows * 4)
         driver.synchronize()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory held, by use: weights (and tables), KV pool, the other buffers."""
+        total = sum(buf.nbytes for buf in self._allocated)
+        kv = sum(buf.nbytes for buf in (*self.k_cache, *self.v_cache))
+        return {"weights": self._uploaded, "kv_cache": kv, "buffers": total - kv - self._uploaded}
 
     def zeros(self, nbytes: int) -> Any:
         """A zeroed device buffer of `nbytes` (at least 4), kept for the workspace's life."""
@@ -129,4 +160,5 @@ class Workspace:
         buf = self.driver.alloc(array.nbytes)
         self.driver.copy_htod(buf, array)
         self._allocated.append(buf)
+        self._uploaded += buf.nbytes
         return buf
