@@ -6,13 +6,14 @@ prompt (llama-bench's tg128); the same sampled at temperature 0.8, top-k 40, top
 0.95 (the device sampler's cost). Prompt tokens/s: prefill of --n-prompt tokens
 (llama-bench's pp512). Each figure is the median of --repeats runs after a
 warm-up. With --llamacpp PATH-TO-llama-bench, llama-bench runs on the same
-file in the same run and the ratios are printed. Results go to --out as JSON.
+file in the same run (all layers on the GPU, or none with --backend cpu) and the
+ratios are printed. Results go to --out as JSON.
 """
 
 import argparse
 import json
+import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +21,13 @@ import numpy as np
 
 from rocforge_rt.backends import resolve_backend_name
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import decode_tokens_per_s, prompt_tokens_per_s
+from rocforge_rt.engine.workloads import (
+    LlamaBenchError,
+    LlamaBenchRun,
+    decode_tokens_per_s,
+    llama_bench,
+    prompt_tokens_per_s,
+)
 from rocforge_rt.step.sampling import SamplingParams
 
 MODES = ("per-kernel-sync", "deferred", "graph")
@@ -88,16 +95,10 @@ def bench_mode(
     return result
 
 
-def llama_bench(binary: str, model: str, n_prompt: int, n_decode: int) -> dict[str, float]:
-    """tg and pp tokens/s from llama-bench on the same file (all layers on the GPU)."""
-    command = [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_decode), "-ngl", "99",
-               "-fa", "1", "-r", "3", "-o", "json"]  # fmt: skip
-    rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    out = {}
-    for row in rows:
-        key = "decode_tokens_per_s" if row["n_gen"] else "prompt_tokens_per_s"
-        out[key] = float(row["avg_ts"])
-    return out
+def llama_bench_figures(run: LlamaBenchRun) -> dict[str, float]:
+    """tg and pp tokens/s of a llama-bench run."""
+    key = {True: "decode_tokens_per_s", False: "prompt_tokens_per_s"}
+    return {key[bool(row["n_gen"])]: float(row["avg_ts"]) for row in run.rows}
 
 
 def main() -> int:
@@ -109,6 +110,9 @@ def main() -> int:
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
+    parser.add_argument(
+        "--llamacpp-args", default="", help="more llama-bench arguments: --llamacpp-args='-t 16'"
+    )
     parser.add_argument(
         "--overlap-ab",
         action="store_true",
@@ -124,20 +128,31 @@ def main() -> int:
         report["modes"][mode or "cpu"] = bench_mode(args, mode)
         if mode and args.overlap_ab:
             report["modes"][f"{mode} (no overlap)"] = bench_mode(args, mode, overlap=False)
+    status = 0
     if args.llamacpp:
-        peer = llama_bench(args.llamacpp, args.model, args.n_prompt, args.n_decode)
-        report["llamacpp"] = peer
-        report["ratios"] = {
-            name: {k: figures[k] / peer[k] for k in peer}
-            for name, figures in report["modes"].items()
-        }
-        for name, ratio in report["ratios"].items():
-            decode, prompt = ratio["decode_tokens_per_s"], ratio["prompt_tokens_per_s"]
-            print(f"{name:>28}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
-                  file=sys.stderr)  # fmt: skip
+        try:
+            run = llama_bench(args.llamacpp, args.model, n_prompt=args.n_prompt,
+                              n_gen=args.n_decode, n_gpu_layers=99 if on_gpu else 0,
+                              extra_args=shlex.split(args.llamacpp_args))  # fmt: skip
+        except LlamaBenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 1
+        else:
+            peer = llama_bench_figures(run)
+            report["llamacpp"] = peer
+            report["llamacpp_command"] = shlex.join(run.command)
+            report["llamacpp_build"] = run.build()
+            report["ratios"] = {
+                name: {k: figures[k] / peer[k] for k in peer}
+                for name, figures in report["modes"].items()
+            }
+            for name, ratio in report["ratios"].items():
+                decode, prompt = ratio["decode_tokens_per_s"], ratio["prompt_tokens_per_s"]
+                print(f"{name:>28}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
+                      file=sys.stderr)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -1,17 +1,33 @@
 #!/usr/bin/env python3
-"""Prompt (prefill) throughput per model, with the GPU time of each forward op.
+"""Prompt (prefill) time to first token against prompt length, beside llama.cpp's llama-bench.
 
-For each model: prompt tokens/s of a --n-prompt prompt (median of --repeats, after a
-warm-up), measured as scripts/bench_decode.py does; with --baseline also through the
-decode GEMV path (GpuBackend.use_prefill_gemm = False) for an A/B in one process; and
-a breakdown of one prefill into forward ops timed with device events (an op's time
-includes any gap while the host was still launching it). Results go to --out as JSON.
+For each model and each of --lengths L: the prefill of L random token ids in the engine's
+chunks, up to and including the first sampled token (workloads.prompt_tokens_per_s,
+llama-bench's pp), as TTFT ms and tokens/s, each the median of --repeats runs after a
+warm-up at L. With --llamacpp PATH-TO-llama-bench, llama-bench (-p L -n 0 -fa 1) runs on
+the same GGUF in the same run, interleaved: each round times ours at L, then one
+llama-bench repetition at L (after its own warm-up), so drift hits both sides alike. Its
+-ngl follows --backend (99 on a GPU, 0 on the CPU); --llamacpp-args adds arguments. ratio =
+our tokens/s / llama.cpp's (its pp times the prompt's forward passes; ours also samples the
+first token). On a GPU, also one prefill at each L broken into forward ops timed with
+device events (an op's time includes any gap while the host was still launching it), and
+with --baseline the decode GEMV path (GpuBackend.use_prefill_gemm = False) for an A/B in
+one process.
 
-example: python scripts/bench_prefill.py models/llama-1b.gguf --baseline
+Results go to --out as JSON, a plot of TTFT against prompt length beside it (same stem,
+.png; needs matplotlib) and a table to stderr. A length the model's context cannot hold
+is skipped with a warning.
+
+example:
+  python scripts/bench_prefill.py models/llama-1b.gguf --lengths 128,512,2048,4096,8192 \\
+      --llamacpp /tmp/peer/llama.cpp/build/bin/llama-bench
+  python scripts/bench_prefill.py models/llama-1b.gguf --n-prompt 512 --baseline
 """
 
 import argparse
 import json
+import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -22,10 +38,11 @@ from typing import Any
 import numpy as np
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import prompt_tokens_per_s
+from rocforge_rt.engine.workloads import LlamaBenchError, llama_bench, prompt_tokens_per_s
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
 TIMED_OPS = ("embed", *GEMM_OPS, "attention", "lm_head")
+DEFAULT_LENGTHS = "128,512,2048,4096,8192"
 
 
 class EventTimedOps:
@@ -82,53 +99,243 @@ def layer_gemm_flops(engine: Engine, n_tokens: int) -> float:
     return 2.0 * per_token * hp.n_layer * n_tokens
 
 
-def bench_model(path: str, args: argparse.Namespace) -> dict[str, object]:
-    engine = Engine.load(path, backend=args.backend, n_ctx=args.n_prompt + 16)
-    rng = np.random.default_rng(0)
-    prompt_tokens_per_s(engine, 64, rng)  # warm-up: compile, first touches, handles
-    prompt_tokens_per_s(engine, args.n_prompt, rng)
-    runs = [prompt_tokens_per_s(engine, args.n_prompt, rng) for _ in range(args.repeats)]
-    result: dict[str, object] = {
-        "device": engine.backend.device_info(),
-        "prefill_chunk": engine.prefill_chunk,
-        "prompt_tokens_per_s": statistics.median(runs),
-        "prompt_runs": runs,
+def summary(ttft_ms: list[float], tokens_per_s: list[float]) -> dict[str, Any]:
+    return {
+        "ttft_ms": statistics.median(ttft_ms),
+        "tokens_per_s": statistics.median(tokens_per_s),
+        "ttft_ms_runs": ttft_ms,
+        "tokens_per_s_runs": tokens_per_s,
     }
-    ops = breakdown(engine, args.n_prompt, rng) if hasattr(engine.backend, "driver") else {}
-    result["breakdown_ms"] = ops
-    gemm_ms = ops.get("gemm_total", float("nan"))
-    result["gemm_tflops"] = layer_gemm_flops(engine, args.n_prompt) / gemm_ms / 1e9
+
+
+def llama_bench_samples(
+    path: str, n_prompt: int, args: argparse.Namespace, n_gpu_layers: int
+) -> tuple[list[tuple[float, float]], Any]:
+    """(TTFT ms, tokens/s) of each repetition of one llama-bench pp test, and the run."""
+    run = llama_bench(args.llamacpp, path, n_prompt=n_prompt, n_gen=0, repetitions=1,
+                      n_gpu_layers=n_gpu_layers, extra_args=args.llamacpp_args)  # fmt: skip
+    rows = [r for r in run.rows if r.get("n_prompt") == n_prompt and not r.get("n_gen")]
+    if len(rows) != 1:
+        raise LlamaBenchError(
+            f"llama-bench {args.llamacpp!r} gave {len(rows)} pp{n_prompt} results, not 1"
+            f" (do --llamacpp-args ask for more than one test?): {shlex.join(run.command)}"
+        )
+    (row,) = rows
+    times_ns = row.get("samples_ns") or [row["avg_ns"]]
+    return [(ns / 1e6, n_prompt * 1e9 / ns) for ns in map(float, times_ns)], run
+
+
+def bench_length(
+    engine: Engine, path: str, n_prompt: int, args: argparse.Namespace, peer: dict[str, Any]
+) -> dict[str, Any]:
+    """Ours at n_prompt, then llama-bench at n_prompt, --repeats times; on a GPU the ops."""
+    rng = np.random.default_rng(n_prompt)
+    prompt_tokens_per_s(engine, n_prompt, rng)  # warm-up: compile, first touches, handles
+    ours: list[float] = []
+    theirs: list[tuple[float, float]] = []
+    point: dict[str, Any] = {"length": n_prompt}
+    for _ in range(args.repeats):
+        ours.append(prompt_tokens_per_s(engine, n_prompt, rng))
+        if args.llamacpp:
+            samples, run = llama_bench_samples(path, n_prompt, args, peer["n_gpu_layers"])
+            theirs += samples
+            point["llamacpp_command"] = shlex.join(run.command)
+            peer.setdefault("build", run.build())
+    point["ours"] = summary([n_prompt / tps * 1e3 for tps in ours], ours)
     line = (
-        f"{Path(path).name:>24}: prompt {result['prompt_tokens_per_s']:10.1f} tok/s"
-        f" | gemm {gemm_ms:7.2f} ms ({result['gemm_tflops']:.0f} TOPS)"
-        f" attention {ops.get('attention', 0.0):6.2f} ms"
-        f" lm_head {ops.get('lm_head', 0.0):5.2f} | wall {ops.get('wall', 0.0):7.2f} ms"
+        f"{Path(path).name:>24} {n_prompt:>6}: ours {point['ours']['tokens_per_s']:10.1f} tok/s"
+        f" TTFT {point['ours']['ttft_ms']:9.2f} ms"
     )
+    if theirs:
+        point["llamacpp"] = summary([t for t, _ in theirs], [s for _, s in theirs])
+        point["ratio"] = point["ours"]["tokens_per_s"] / point["llamacpp"]["tokens_per_s"]
+        line += (
+            f" | llama.cpp {point['llamacpp']['tokens_per_s']:10.1f} tok/s"
+            f" TTFT {point['llamacpp']['ttft_ms']:9.2f} ms | x{ratio_text(point['ratio'])}"
+        )
+    if hasattr(engine.backend, "driver"):
+        ops = breakdown(engine, n_prompt, rng)
+        point["breakdown_ms"] = ops
+        gemm_ms = ops["gemm_total"] or float("nan")
+        point["gemm_tflops"] = layer_gemm_flops(engine, n_prompt) / gemm_ms / 1e9
+        line += (
+            f" | gemm {ops['gemm_total']:7.2f} ms ({point['gemm_tflops']:.0f} TOPS)"
+            f" attention {ops.get('attention', 0.0):6.2f} ms lm_head {ops.get('lm_head', 0.0):5.2f}"
+        )
     if args.baseline and hasattr(engine.backend, "use_prefill_gemm"):
         engine.backend.use_prefill_gemm = False
-        base = [prompt_tokens_per_s(engine, args.n_prompt, rng) for _ in range(args.repeats)]
-        engine.backend.use_prefill_gemm = True
-        result["gemv_path_prompt_tokens_per_s"] = statistics.median(base)
-        line += f" | GEMV path {statistics.median(base):8.1f} tok/s"
+        try:
+            base = [prompt_tokens_per_s(engine, n_prompt, rng) for _ in range(args.repeats)]
+        finally:
+            engine.backend.use_prefill_gemm = True
+        point["gemv_path_tokens_per_s"] = statistics.median(base)
+        line += f" | GEMV path {point['gemv_path_tokens_per_s']:8.1f} tok/s"
     print(line, file=sys.stderr, flush=True)
+    return point
+
+
+def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    engine = Engine.load(path, backend=args.backend, n_ctx=max(args.lengths) + 16)
+    skipped = [n for n in args.lengths if n >= engine.n_ctx]  # a turn leaves room for one more
+    if skipped:
+        print(f"warning: {Path(path).name}: context {engine.n_ctx} cannot hold a prompt of"
+              f" {', '.join(map(str, skipped))} tokens: skipped", file=sys.stderr)  # fmt: skip
+    result: dict[str, Any] = {
+        "model": Path(path).name,
+        "device": engine.backend.device_info(),
+        "prefill_chunk": engine.prefill_chunk,
+        "n_ctx": engine.n_ctx,
+        "skipped_lengths": skipped,
+    }
+    peer: dict[str, Any] = {}
+    if args.llamacpp:
+        peer = {"binary": args.llamacpp, "n_gpu_layers": 0 if engine.backend.name == "cpu" else 99}
+        result["llamacpp"] = peer
+    result["points"] = [
+        bench_length(engine, path, n, args, peer) for n in args.lengths if n not in skipped
+    ]
     return result
 
 
+def ratio_text(ratio: float) -> str:
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
+
+
+def device_label(info: dict[str, Any]) -> str:
+    if info.get("backend") == "cpu":
+        return f"CPU ({info.get('threads')} threads)"
+    return f"{info.get('device')} ({info.get('backend')})"
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = []
+    for result in report["models"].values():
+        lines += [
+            f"{result['model']} on {device_label(result['device'])}:",
+            "| length | ours tok/s | llama.cpp tok/s | ratio | our TTFT ms | their TTFT ms |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for p in result["points"]:
+            peer = p.get("llamacpp")
+            theirs = (f"{peer['tokens_per_s']:,.1f}", ratio_text(p["ratio"]),
+                      f"{peer['ttft_ms']:,.2f}") if peer else ("-", "-", "-")  # fmt: skip
+            lines.append(
+                f"| {p['length']} | {p['ours']['tokens_per_s']:,.1f} | {theirs[0]} | {theirs[1]}"
+                f" | {p['ours']['ttft_ms']:,.2f} | {theirs[2]} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """TTFT against prompt length (both log), ours beside llama.cpp, ratio at each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = list(report["models"].values())
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        points = result["points"]
+        x = [p["length"] for p in points]
+        ax.plot(x, [p["ours"]["ttft_ms"] for p in points], "o-", label="rocforge-rt")
+        peer = [p for p in points if "llamacpp" in p]
+        if peer:
+            ax.plot([p["length"] for p in peer], [p["llamacpp"]["ttft_ms"] for p in peer],
+                    "s--", label="llama.cpp (llama-bench pp)")  # fmt: skip
+            for p in peer:
+                ax.annotate(f"x{ratio_text(p['ratio'])}", (p["length"], p["ours"]["ttft_ms"]),
+                            textcoords="offset points", xytext=(0, 9), ha="center",
+                            fontsize=8)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.margins(x=0.08, y=0.12)  # room for the ratios
+        if x:
+            ax.set_xticks(x, [str(n) for n in x])
+            ax.minorticks_off()
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{result['model']} on {device_label(result['device'])}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, title="x = our tok/s / llama.cpp's" if peer else None,
+                  title_fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = sorted({int(n) for n in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if lengths[0] < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1: {text!r}")
+    return lengths
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("models", nargs="+")
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--n-prompt", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    lengths = parser.add_mutually_exclusive_group()
+    lengths.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=parse_lengths(DEFAULT_LENGTHS),
+        help=f"comma-separated prompt lengths (default {DEFAULT_LENGTHS})",
+    )
+    lengths.add_argument("--n-prompt", type=parse_lengths, help="one prompt length: --lengths N")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per length and side")
     parser.add_argument("--baseline", action="store_true", help="also time the GEMV path")
-    parser.add_argument("--out", default="bench-results/prefill.json")
+    parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
+    parser.add_argument(
+        "--llamacpp-args", default="", help="more llama-bench arguments: --llamacpp-args='-t 16'"
+    )
+    parser.add_argument("--out", default="bench-results/prefill.json", help="JSON (PNG beside)")
     args = parser.parse_args()
-    report = {"n_prompt": args.n_prompt, "models": {}}
+    if args.n_prompt is not None:
+        args.lengths = args.n_prompt
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    args.llamacpp_args = shlex.split(args.llamacpp_args)
+    if args.llamacpp and shutil.which(args.llamacpp) is None:
+        parser.error(f"llama-bench {args.llamacpp!r} is not an executable file")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "lengths": args.lengths,
+        "repeats": args.repeats,
+        "backend": args.backend,
+        "llamacpp": {"binary": args.llamacpp, "args": args.llamacpp_args}
+        if args.llamacpp
+        else None,
+        "models": {},
+    }
+    status = 0
     for path in args.models:
-        report["models"][path] = bench_model(path, args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    return 0
+        try:
+            report["models"][path] = bench_model(path, args)
+        except LlamaBenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 1
+            break
+        out.write_text(json.dumps(report, indent=2))
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    if report["models"]:
+        print(table(report), file=sys.stderr)
+        try:
+            plot(report, out.with_suffix(".png"))
+            print(f"wrote {out.with_suffix('.png')}", file=sys.stderr)
+        except ImportError:
+            print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The measured workloads the benchmark scripts share: batch-1 decode and one prompt's prefill.
+"""The measured workloads the benchmark scripts share: batch-1 decode and one prompt's prefill,
+and llama.cpp's llama-bench run as the peer they are compared with.
 
 Both follow llama-bench: decode tokens/s is generation after a 1-token prompt
 (its tg; greedy unless sampling parameters are given), prompt tokens/s is the
@@ -7,7 +8,12 @@ pp). Random-weight models may sample an end-of-generation id, so decode ignores
 those ids.
 """
 
+import json
+import subprocess
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,3 +49,59 @@ def prompt_tokens_per_s(engine: Engine, n_prompt: int, rng: np.random.Generator)
     elapsed = time.perf_counter() - start
     engine.close_session(session)
     return n_prompt / elapsed
+
+
+# The fields of a llama-bench result row that say what was measured with what.
+LLAMA_BENCH_BUILD_FIELDS = ("build_commit", "build_number", "backends", "cpu_info", "gpu_info")
+
+
+class LlamaBenchError(RuntimeError):
+    """llama-bench could not be started, failed, or printed results that cannot be read."""
+
+
+@dataclass(frozen=True)
+class LlamaBenchRun:
+    command: list[str]
+    rows: list[dict[str, Any]]  # one per test (pp, tg) as its JSON output has them
+
+    def build(self) -> dict[str, Any]:
+        """The build and device fields of its output (commit, backends, CPU and GPU)."""
+        first = self.rows[0] if self.rows else {}
+        return {k: first[k] for k in LLAMA_BENCH_BUILD_FIELDS if k in first}
+
+
+def llama_bench(
+    binary: str,
+    model: str,
+    *,
+    n_prompt: int,
+    n_gen: int,
+    repetitions: int = 3,
+    n_gpu_layers: int = 99,
+    extra_args: Sequence[str] = (),
+) -> LlamaBenchRun:
+    """Run llama-bench on the same GGUF with flash attention on: its pp test of `n_prompt`
+    tokens and tg test of `n_gen` (a 0 leaves that test out), `repetitions` each after its
+    own warm-up. `n_gpu_layers` is -ngl (99: all on the GPU; 0 for a CPU comparison);
+    `extra_args` go last. LlamaBenchError, naming the binary, when it cannot be run,
+    fails, or prints no result rows."""
+    command = [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_gen),
+               "-ngl", str(n_gpu_layers), "-fa", "1", "-r", str(repetitions), "-o", "json",
+               *extra_args]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:  # not there, not executable
+        raise LlamaBenchError(f"cannot run llama-bench {binary!r}: {e.strerror or e}") from e
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-5:]
+        raise LlamaBenchError(
+            f"llama-bench {binary!r} exited with code {done.returncode}"
+            + (":\n  " + "\n  ".join(tail) if tail else "")
+        )
+    try:
+        rows = json.loads(done.stdout)
+    except json.JSONDecodeError as e:
+        raise LlamaBenchError(f"llama-bench {binary!r} printed no JSON ({e})") from e
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise LlamaBenchError(f"llama-bench {binary!r} printed no result rows")
+    return LlamaBenchRun(command, rows)

@@ -1,0 +1,211 @@
+"""scripts/bench_prefill.py and bench_decode.py beside llama-bench, on the tiny model (CPU).
+
+A fake llama-bench (a Python script written into tmp_path) stands in for llama.cpp's: it
+prints llama-bench-shaped JSON, timing a pp test at 10 us a token (x 1.01 per repetition),
+and logs its arguments.
+"""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_LLAMA_BENCH = """\
+#!{python}
+import json, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+with open(Path(__file__).with_suffix(".log"), "a") as log:
+    log.write(json.dumps(argv) + "\\n")
+arg = dict(zip(argv[::2], argv[1::2]))
+reps = int(arg["-r"])
+build = {{"build_commit": "fa4e1c0", "build_number": 4321, "backends": "CPU",
+         "cpu_info": "Fake CPU @ 3 GHz", "gpu_info": ""}}
+rows = []
+for kind, n in (("p", int(arg["-p"])), ("n", int(arg["-n"]))):
+    if n:
+        ns = [int(n * 10_000 * 1.01**i) for i in range(reps)]
+        ts = [n * 1e9 / t for t in ns]
+        rows.append({{**build, "model_filename": arg["-m"], "n_gpu_layers": int(arg["-ngl"]),
+                     "flash_attn": arg["-fa"] == "1", "n_prompt": n if kind == "p" else 0,
+                     "n_gen": n if kind == "n" else 0, "avg_ns": sum(ns) // reps,
+                     "avg_ts": sum(ts) / reps, "samples_ns": ns, "samples_ts": ts}})
+print(json.dumps(rows, indent=2))
+"""
+
+FAILING_LLAMA_BENCH = """\
+#!{python}
+import sys
+print("error: failed to load model", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def write_executable(path: Path, text: str) -> Path:
+    path.write_text(text.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake_llama_bench(tmp_path: Path) -> Path:
+    return write_executable(tmp_path / "llama-bench", FAKE_LLAMA_BENCH)
+
+
+def calls_of(fake: Path) -> list[dict[str, str]]:
+    lines = fake.with_suffix(".log").read_text().splitlines()
+    return [dict(zip(argv[::2], argv[1::2], strict=False)) for argv in map(json.loads, lines)]
+
+
+def run_script(name: str, *args: object) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+    return subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_prefill_bench_times_both_sides_at_every_length_and_writes_json_a_table_and_a_png(
+    tiny_model, fake_llama_bench, tmp_path
+):
+    out = tmp_path / "results" / "prefill.json"
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8,16",
+                        "--repeats", "2", "--llamacpp", fake_llama_bench, "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+    report = json.loads(out.read_text())
+    assert report["lengths"] == [8, 16] and report["repeats"] == 2
+    (model,) = report["models"].values()
+    assert model["llamacpp"]["build"]["build_commit"] == "fa4e1c0"
+    assert model["llamacpp"]["build"]["cpu_info"] == "Fake CPU @ 3 GHz"
+    assert model["llamacpp"]["n_gpu_layers"] == 0  # follows --backend cpu
+    assert [p["length"] for p in model["points"]] == [8, 16]
+    for point in model["points"]:
+        n = point["length"]
+        ours, theirs = point["ours"], point["llamacpp"]
+        assert len(ours["tokens_per_s_runs"]) == len(theirs["tokens_per_s_runs"]) == 2
+        assert ours["ttft_ms"] == pytest.approx(statistics.median(ours["ttft_ms_runs"]))
+        assert ours["ttft_ms_runs"] == pytest.approx(
+            [n / s * 1e3 for s in ours["tokens_per_s_runs"]]
+        )
+        # one repetition per llama-bench call: 10 us a token, from samples_ns
+        assert theirs["ttft_ms_runs"] == pytest.approx([n * 0.01, n * 0.01])
+        assert theirs["tokens_per_s"] == pytest.approx(1e5)
+        assert point["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+        assert f"-p {n} -n 0 -ngl 0 -fa 1 -r 1 -o json" in point["llamacpp_command"]
+
+    # one llama-bench call of one repetition per round
+    assert [(c["-p"], c["-n"], c["-r"]) for c in calls_of(fake_llama_bench)] == [
+        ("8", "0", "1"), ("8", "0", "1"), ("16", "0", "1"), ("16", "0", "1"),
+    ]  # fmt: skip
+
+    assert "| length | ours tok/s | llama.cpp tok/s | ratio | our TTFT ms | their TTFT ms |" in (
+        result.stderr
+    )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in result.stderr
+    else:
+        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_bench_alternates_ours_and_llama_bench_at_each_length_after_a_warm_up(
+    tiny_model, fake_llama_bench, tmp_path, monkeypatch
+):
+    spec = importlib.util.spec_from_file_location(
+        "bench_prefill", ROOT / "scripts" / "bench_prefill.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    order = []
+
+    def ours(engine, n_prompt, rng):
+        order.append(("ours", n_prompt))
+        return 1000.0
+
+    def theirs(binary, model, *, n_prompt, **kwargs):
+        order.append(("llama.cpp", n_prompt))
+        return real_llama_bench(binary, model, n_prompt=n_prompt, **kwargs)
+
+    real_llama_bench = bench.llama_bench
+    monkeypatch.setattr(bench, "prompt_tokens_per_s", ours)
+    monkeypatch.setattr(bench, "llama_bench", theirs)
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", str(tiny_model), "--backend", "cpu",
+                        "--lengths", "8,16", "--repeats", "2", "--llamacpp", str(fake_llama_bench),
+                        "--out", str(tmp_path / "p.json")])  # fmt: skip
+    assert bench.main() == 0
+    expected = []
+    for n in (8, 16):
+        expected += [("ours", n)]  # the warm-up
+        expected += [("ours", n), ("llama.cpp", n)] * 2  # a round: ours, then llama.cpp
+    assert order == expected
+
+
+def test_prefill_bench_passes_llamacpp_args_after_its_own(tiny_model, fake_llama_bench, tmp_path):
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--n-prompt", "8",
+                        "--repeats", "1", "--llamacpp", fake_llama_bench,
+                        "--llamacpp-args=-t 4", "--out", tmp_path / "p.json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (call,) = calls_of(fake_llama_bench)
+    assert call["-p"] == "8" and call["-t"] == "4"
+
+
+def test_prefill_bench_without_llamacpp_times_ours_alone(tiny_model, tmp_path):
+    out = tmp_path / "prefill.json"
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8",
+                        "--repeats", "1", "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ((point,),) = [m["points"] for m in json.loads(out.read_text())["models"].values()]
+    assert point["ours"]["tokens_per_s"] > 0 and "llamacpp" not in point and "ratio" not in point
+
+
+def test_prefill_bench_skips_a_length_the_models_context_cannot_hold(tiny_model, tmp_path):
+    out = tmp_path / "prefill.json"
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8,256",
+                        "--repeats", "1", "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (model,) = json.loads(out.read_text())["models"].values()
+    assert [p["length"] for p in model["points"]] == [8] and model["skipped_lengths"] == [256]
+    assert "cannot hold a prompt of 256 tokens" in result.stderr
+
+
+def test_prefill_bench_names_a_missing_llama_bench_and_exits_without_a_traceback(
+    tiny_model, tmp_path
+):
+    missing = tmp_path / "no-such-llama-bench"
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8",
+                        "--llamacpp", missing, "--out", tmp_path / "p.json")  # fmt: skip
+    assert result.returncode != 0
+    assert str(missing) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_prefill_bench_names_a_failing_llama_bench_and_shows_its_error(tiny_model, tmp_path):
+    failing = write_executable(tmp_path / "llama-bench", FAILING_LLAMA_BENCH)
+    result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8",
+                        "--repeats", "1", "--llamacpp", failing,
+                        "--out", tmp_path / "p.json")  # fmt: skip
+    assert result.returncode == 1
+    assert str(failing) in result.stderr and "exited with code 1" in result.stderr
+    assert "failed to load model" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_decode_bench_compares_with_llama_bench_through_the_same_helper(
+    tiny_model, fake_llama_bench, tmp_path
+):
+    out = tmp_path / "decode.json"
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--repeats", "1", "--llamacpp", fake_llama_bench,
+                        "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["llamacpp"]["prompt_tokens_per_s"] == pytest.approx(1e5 / 1.01, rel=0.01)
+    assert set(report["ratios"]["cpu"]) == {"decode_tokens_per_s", "prompt_tokens_per_s"}
+    assert "-ngl 0 -fa 1 -r 3" in report["llamacpp_command"]
+    assert report["llamacpp_build"]["build_commit"] == "fa4e1c0"
