@@ -11,8 +11,9 @@ llama-bench repetition at L (after its own warm-up), so drift hits both sides al
 our tokens/s / llama.cpp's (its pp times the prompt's forward passes; ours also samples the
 first token). On a GPU, also one prefill at each L broken into forward ops timed with
 device events (an op's time includes any gap while the host was still launching it), and
-with --baseline the decode GEMV path (GpuBackend.use_prefill_gemm = False) for an A/B in
-one process.
+with --baseline the decode GEMV path (GpuBackend.use_prefill_gemm = False) and with
+--invariant-ab the batch-invariant int8 GEMM (GpuBackend.batch_invariant = True), each an
+A/B in one process.
 
 Results go to --out as JSON, a plot of TTFT against prompt length beside it (same stem,
 .png; needs matplotlib) and a table to stderr. A length the model's context cannot hold
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from rocforge_rt.engine.workloads import LlamaBenchError, llama_bench, prompt_tokens_per_s
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
@@ -132,10 +133,18 @@ def bench_length(
     rng = np.random.default_rng(n_prompt)
     prompt_tokens_per_s(engine, n_prompt, rng)  # warm-up: compile, first touches, handles
     ours: list[float] = []
+    invariant: list[float] = []  # --invariant-ab: the same prompts, batch invariant
     theirs: list[tuple[float, float]] = []
     point: dict[str, Any] = {"length": n_prompt}
+    invariant_ab = args.invariant_ab and not engine.backend.device_info()["batch_invariant"]
     for _ in range(args.repeats):
         ours.append(prompt_tokens_per_s(engine, n_prompt, rng))
+        if invariant_ab:
+            engine.backend.batch_invariant = True
+            try:
+                invariant.append(prompt_tokens_per_s(engine, n_prompt, rng))
+            finally:
+                engine.backend.batch_invariant = False
         if args.llamacpp:
             samples, run = llama_bench_samples(path, n_prompt, args, peer["n_gpu_layers"])
             theirs += samples
@@ -146,6 +155,9 @@ def bench_length(
         f"{Path(path).name:>24} {n_prompt:>6}: ours {point['ours']['tokens_per_s']:10.1f} tok/s"
         f" TTFT {point['ours']['ttft_ms']:9.2f} ms"
     )
+    if invariant:
+        point["batch_invariant"] = summary([n_prompt / tps * 1e3 for tps in invariant], invariant)
+        line += f" | batch invariant {point['batch_invariant']['tokens_per_s']:10.1f} tok/s"
     if theirs:
         point["llamacpp"] = summary([t for t, _ in theirs], [s for _, s in theirs])
         point["ratio"] = point["ours"]["tokens_per_s"] / point["llamacpp"]["tokens_per_s"]
@@ -175,7 +187,8 @@ def bench_length(
 
 
 def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    engine = Engine.load(path, backend=args.backend, n_ctx=max(args.lengths) + 16)
+    engine = Engine.load(path, backend=args.backend, n_ctx=max(args.lengths) + 16,
+                         prefill_chunk=args.prefill_chunk)  # fmt: skip
     skipped = [n for n in args.lengths if n >= engine.n_ctx]  # a turn leaves room for one more
     if skipped:
         print(f"warning: {Path(path).name}: context {engine.n_ctx} cannot hold a prompt of"
@@ -292,6 +305,12 @@ def main() -> int:
     lengths.add_argument("--n-prompt", type=parse_lengths, help="one prompt length: --lengths N")
     parser.add_argument("--repeats", type=int, default=5, help="runs per length and side")
     parser.add_argument("--baseline", action="store_true", help="also time the GEMV path")
+    parser.add_argument(
+        "--invariant-ab",
+        action="store_true",
+        help="GPU: also time each prompt batch invariant (the int8 GEMM), interleaved",
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
     parser.add_argument(
         "--llamacpp-args", default="", help="more llama-bench arguments: --llamacpp-args='-t 16'"

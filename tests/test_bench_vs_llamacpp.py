@@ -76,7 +76,8 @@ def test_prefill_bench_times_both_sides_at_every_length_and_writes_json_a_table_
 ):
     out = tmp_path / "results" / "prefill.json"
     result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8,16",
-                        "--repeats", "2", "--llamacpp", fake_llama_bench, "--out", out)  # fmt: skip
+                        "--repeats", "2", "--llamacpp", fake_llama_bench, "--out", out,
+                        "--invariant-ab")  # fmt: skip
     assert result.returncode == 0, result.stderr
 
     report = json.loads(out.read_text())
@@ -99,6 +100,7 @@ def test_prefill_bench_times_both_sides_at_every_length_and_writes_json_a_table_
         assert theirs["tokens_per_s"] == pytest.approx(1e5)
         assert point["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
         assert f"-p {n} -n 0 -ngl 0 -fa 1 -r 1 -o json" in point["llamacpp_command"]
+        assert "batch_invariant" not in point  # the CPU backend is batch invariant already
 
     # one llama-bench call of one repetition per round
     assert [(c["-p"], c["-n"], c["-r"]) for c in calls_of(fake_llama_bench)] == [
