@@ -257,6 +257,13 @@ class Matmul:
             self.n_ctx,
         )
 
+    def _check_fits(self, rows: int, k: int) -> None:
+        if rows > self.max_tokens or k > self.ws.gemm_max_k:
+            raise BackendError(
+                f"GEMM of {rows} rows x {k} columns exceeds the prefill buffers "
+                f"({self.max_tokens} x {self.ws.gemm_max_k})"
+            )
+
     def gemm(
         self,
         matrix: DeviceMatrix,
@@ -275,11 +282,7 @@ class Matmul:
         """
         k = matrix.k
         ws = self.ws
-        if x.rows > self.max_tokens or k > ws.gemm_max_k:
-            raise BackendError(
-                f"GEMM of {x.rows} rows x {k} columns exceeds the prefill buffers "
-                f"({self.max_tokens} x {ws.gemm_max_k})"
-            )
+        self._check_fits(x.rows, k)
         gain_ptr = gain.ptr if gain is not None else 0
         self._launch(
             ("q8rows", x.ptr, x.rows, k, gain_ptr),
@@ -327,11 +330,7 @@ class Matmul:
         in fp16 and combines them in one more kernel.
         """
         k, ws, rows = matrix.k, self.ws, x.rows
-        if rows > self.max_tokens or k > ws.gemm_max_k:
-            raise BackendError(
-                f"GEMM of {rows} rows x {k} columns exceeds the prefill buffers "
-                f"({self.max_tokens} x {ws.gemm_max_k})"
-            )
+        self._check_fits(rows, k)
         if epilogue == EPILOGUE_RESIDUAL and residual_ptr != out_ptr:
             raise BackendError("the vendor GEMM adds the residual in place: out must be it")
         gain_ptr = gain.ptr if gain is not None else 0

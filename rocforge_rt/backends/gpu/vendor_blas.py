@@ -27,9 +27,21 @@ WORKSPACE_BYTES = 32 * 1024 * 1024  # the libraries' scratch for split-K and the
 
 
 class VendorGemm(ABC):
-    """An fp16 GEMM handle bound to one stream; see the module docstring for the layout."""
+    """An fp16 GEMM handle bound to one stream; see the module docstring for the layout.
+
+    A vendor class sets the handle and its library's values for the arguments (the
+    transpose codes, the fp16/fp32 types, fp32 compute, the default algorithm) and runs
+    the library's GemmEx, whose arguments both vendors take in the same order.
+    """
 
     library: str  # 'cublas' | 'hipblas'
+    _handle: Any
+    _op_t: Any
+    _op_n: Any
+    _f16: Any
+    _f32: Any
+    _compute_32f: Any
+    _default_algo: Any
 
     def __init__(self) -> None:
         # Host scalars (the handle's default pointer mode), kept alive with the handle.
@@ -51,21 +63,32 @@ class VendorGemm(ABC):
     ) -> None:
         """out[r, j] (+)= sum_i x[r, i] * W[j, i] (r < rows, j < n); out rows `out_pitch` apart."""
         beta = self._one if accumulate else self._zero
-        self._gemm_ex(n, rows, k, w_ptr, x_ptr, out_ptr, out_pitch, beta.ctypes.data, out_f16)
+        self._gemm_ex(
+            (n, rows, k),
+            self._handle,
+            self._op_t,
+            self._op_n,
+            n,
+            rows,
+            k,
+            self._one.ctypes.data,
+            w_ptr,
+            self._f16,
+            k,
+            x_ptr,
+            self._f16,
+            k,
+            beta.ctypes.data,
+            out_ptr,
+            self._f16 if out_f16 else self._f32,
+            out_pitch,
+            self._compute_32f,
+            self._default_algo,
+        )
 
     @abstractmethod
-    def _gemm_ex(
-        self,
-        n: int,
-        rows: int,
-        k: int,
-        w_ptr: int,
-        x_ptr: int,
-        out_ptr: int,
-        out_pitch: int,
-        beta_ptr: int,
-        out_f16: bool,
-    ) -> None: ...
+    def _gemm_ex(self, shape: tuple[int, int, int], *args: Any) -> None:
+        """Run the library's GemmEx with `args`; BackendError (naming `shape`) on failure."""
 
 
 class CublasGemm(VendorGemm):
@@ -84,8 +107,11 @@ class CublasGemm(VendorGemm):
                 "pip install 'rocforge-rt[cuda]'"
             ) from exc
         self._cublas = cublas
+        self._op_t, self._op_n = cublas.Operation.T, cublas.Operation.N
         self._f16 = int(nvmath.CudaDataType.CUDA_R_16F)
         self._f32 = int(nvmath.CudaDataType.CUDA_R_32F)
+        self._compute_32f = cublas.ComputeType.COMPUTE_32F
+        self._default_algo = cublas.GemmAlgo.DEFAULT
         try:
             self._handle = cublas.create()
             cublas.set_stream(self._handle, int(stream_handle))
@@ -93,43 +119,11 @@ class CublasGemm(VendorGemm):
         except Exception as exc:  # cuBLASError, or no libcublas found
             raise BackendError(f"cuBLAS could not start: {exc}") from exc
 
-    def _gemm_ex(
-        self,
-        n: int,
-        rows: int,
-        k: int,
-        w_ptr: int,
-        x_ptr: int,
-        out_ptr: int,
-        out_pitch: int,
-        beta_ptr: int,
-        out_f16: bool,
-    ) -> None:
-        cublas = self._cublas
+    def _gemm_ex(self, shape: tuple[int, int, int], *args: Any) -> None:
         try:
-            cublas.gemm_ex(
-                self._handle,
-                cublas.Operation.T,
-                cublas.Operation.N,
-                n,
-                rows,
-                k,
-                self._one.ctypes.data,
-                w_ptr,
-                self._f16,
-                k,
-                x_ptr,
-                self._f16,
-                k,
-                beta_ptr,
-                out_ptr,
-                self._f16 if out_f16 else self._f32,
-                out_pitch,
-                cublas.ComputeType.COMPUTE_32F,
-                cublas.GemmAlgo.DEFAULT,
-            )
-        except cublas.cuBLASError as exc:
-            raise BackendError(f"cublasGemmEx ({n} x {rows} x {k}): {exc}") from exc
+            self._cublas.gemm_ex(*args)
+        except self._cublas.cuBLASError as exc:
+            raise BackendError(f"cublasGemmEx (n, rows, k = {shape}): {exc}") from exc
 
 
 class HipblasGemm(VendorGemm):
@@ -147,8 +141,11 @@ class HipblasGemm(VendorGemm):
                 "pip install 'rocforge-rt[hip]'"
             ) from exc
         self._hipblas = hipblas
-        self._f16 = hip.hipDataType.HIP_R_16F
-        self._f32 = hip.hipDataType.HIP_R_32F
+        op = hipblas.hipblasOperation_t
+        self._op_t, self._op_n = op.HIPBLAS_OP_T, op.HIPBLAS_OP_N
+        self._f16, self._f32 = hip.hipDataType.HIP_R_16F, hip.hipDataType.HIP_R_32F
+        self._compute_32f = hipblas.hipblasComputeType_t.HIPBLAS_COMPUTE_32F
+        self._default_algo = hipblas.hipblasGemmAlgo_t.HIPBLAS_GEMM_DEFAULT
         self._handle = self._check("hipblasCreate", hipblas.hipblasCreate())
         self._check("hipblasSetStream", hipblas.hipblasSetStream(self._handle, stream_handle))
         self._check(
@@ -162,44 +159,8 @@ class HipblasGemm(VendorGemm):
             raise BackendError(f"{name} failed: {getattr(status, 'name', status)}")
         return values[0] if values else None
 
-    def _gemm_ex(
-        self,
-        n: int,
-        rows: int,
-        k: int,
-        w_ptr: int,
-        x_ptr: int,
-        out_ptr: int,
-        out_pitch: int,
-        beta_ptr: int,
-        out_f16: bool,
-    ) -> None:
-        hipblas = self._hipblas
-        op = hipblas.hipblasOperation_t
-        self._check(
-            "hipblasGemmEx",
-            hipblas.hipblasGemmEx(
-                self._handle,
-                op.HIPBLAS_OP_T,
-                op.HIPBLAS_OP_N,
-                n,
-                rows,
-                k,
-                self._one.ctypes.data,
-                w_ptr,
-                self._f16,
-                k,
-                x_ptr,
-                self._f16,
-                k,
-                beta_ptr,
-                out_ptr,
-                self._f16 if out_f16 else self._f32,
-                out_pitch,
-                hipblas.hipblasComputeType_t.HIPBLAS_COMPUTE_32F,
-                hipblas.hipblasGemmAlgo_t.HIPBLAS_GEMM_DEFAULT,
-            ),
-        )
+    def _gemm_ex(self, shape: tuple[int, int, int], *args: Any) -> None:
+        self._check(f"hipblasGemmEx (n, rows, k = {shape})", self._hipblas.hipblasGemmEx(*args))
 
 
 def open_vendor_gemm(
