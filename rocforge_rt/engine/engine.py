@@ -26,7 +26,7 @@ from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
 # Prompt tokens per forward pass. Each chunk expands every weight matrix to fp16 once for
 # the vendor GEMM, so longer chunks amortize that: on an H100, a 2048-token prompt took
 # 68 ms (Llama-1B shape) and 201 ms (8B) in one 2048 chunk against 79 and 247 ms in 512s
-# (docs/performance.md). A daemon's decode streams wait for one chunk at most.
+# (README.md, "Measured"). A daemon's decode streams wait for one chunk at most.
 DEFAULT_PREFILL_CHUNK = 2048
 INT32_MAX = (1 << 31) - 1  # the device reads top_k as int32
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # temperature and top_p: float32, normal

@@ -5,7 +5,7 @@ More rows take one of two GEMMs:
 - the vendor GEMM (the default): the matrix, or a slab of its rows, expanded to fp16
   and multiplied by cuBLAS / hipBLAS (vendor_blas.py) with fp32 accumulation
   (kernels/gemm_f16.hip holds the operand and SwiGLU kernels). Measured on an H100 it
-  is faster than the int8 GEMM from 16 rows on (1.3-2x; docs/performance.md);
+  is faster than the int8 GEMM from 16 rows on (1.3-2x; README.md, "Measured");
 - the int8 GEMM (kernels/gemm.hip), whose arithmetic is the GEMV's, so a row's outputs
   do not depend on the rows beside it: with `batch_invariant` every row count takes it.
 All RMS-normalize their rows with a gain when given one and end in an epilogue (store,
