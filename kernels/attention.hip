@@ -1,21 +1,33 @@
-// Attention over the fp16 KV pool with grouped-query heads: a decode kernel (few tokens,
-// any slots, split across blocks) and a prefill kernel (a prompt chunk of one slot, each
-// K/V row read once for several queries and heads). Both compute every (token, head)
-// output with the same arithmetic, so a token gives bit-identical results through either:
+// Attention over the fp16 KV pool with grouped-query heads, on the fp16 matrix units: a
+// decode kernel (few tokens, any slots, the context split across blocks) and a prefill
+// kernel (a prompt chunk of one slot, FlashAttention-2 style). Both compute every (token,
+// head) output with the same arithmetic, so a token gives bit-identical results through
+// either:
 //
-//   The context 0..L-1 (L = position + 1) goes in pieces of RF_ATTN_PIECE = 32 positions,
-//   lane j of a warp holding position 32 p + j of piece p. Lane j scores its position:
-//   four chains a_e = fmaf(q[c], k[c], a_e) over c = e, e + 4, ... (from 0), and
-//   score = ((a_0 + a_1) + (a_2 + a_3)) * scale; m_p = the warp maximum of the scores,
-//   w_j = expf(score_j - m_p) (0 past L), l_p = the butterfly sum of w over the lanes
-//   (rf_warp_sum); acc_p[c] = b_0 + b_1 with chains b_i = fmaf(w_j, v_j[c], b_i) over the
-//   piece's positions j = i, i + 2, ... (from 0). A state (M, Lsum, A) starts at
-//   (-inf, 0, 0) and takes in a part (m, l, acc) by the fold
-//     M' = fmaxf(M, m), alpha = expf(M - M'), beta = expf(m - M'),
-//     Lsum = fmaf(l, beta, Lsum * alpha), A[c] = fmaf(acc[c], beta, A[c] * alpha).
-//   Pieces fold in order into their segment's state (RF_ATTN_SEGMENT pieces a segment);
-//   segment states fold in order into the total, and the output is A[c] / Lsum. (A fold
-//   into the start state gives the part itself: one piece is acc / l.)
+//   q * qscale (qscale = log2(e) / sqrt(d): scores in the log2 domain) enters the fp16
+//   matrix units as two fp16 parts, hi + lo, rounded to nearest even:
+//     hi = fp16(q[c] * qscale), lo = fp16(fmaf(q[c], qscale, -hi)),
+//   so q keeps about 22 bits instead of fp16's 11 (the keys are fp16 already). The
+//   context 0..L-1 (L = position + 1) goes in key tiles of RF_ATTN_TILE = 64 positions
+//   aligned at position 0; tile j gives a part (m, l, acc):
+//     s   = hi . k + lo . k for the tile's positions: per 8 positions, over k-steps of 16
+//           dims in order, from 0, rf_mma_f16_m16n8k16 of hi then of lo, both into the
+//           same fp32 accumulators; -inf past the token's position;
+//     m   = the maximum of s; p = fp16(rf_exp2(s - m)) (0 where s = -inf);
+//     l   = the sum of p: the lane of the row's quad that holds columns 2t, 2t+1 of
+//           each 8 positions k = 0..7 adds each pair (w_k), then sums ((w0 + w1) +
+//           (w2 + w3)) + ((w4 + w5) + (w6 + w7)); then the quad's butterfly (^1, ^2);
+//     acc = p . v: per 8 dims, rf_mma_f16_m16n8k16 over the tile's 4 k-steps of 16
+//           positions in order, from 0.
+//   The parts of tiles 0, 1, ... fold in order into a state (M, Lsum, A) that starts at
+//   (-inf, 0, 0):
+//     M' = fmaxf(M, m), alpha = rf_exp2(M - M'), beta = rf_exp2(m - M'),
+//     Lsum = fmaf(l, beta, Lsum * alpha), A[c] = fmaf(acc[c], beta, A[c] * alpha);
+//   the output is A[c] / Lsum. The rows of an mma are independent, so a row's result
+//   depends on its own q, the K/V rows and this decomposition only, not on which rows
+//   share its fragments. A tile wholly past a row's position gives that row no part: the
+//   prefill kernel, whose rows end at different tiles, skips the row's fold there (its p
+//   is 0, so the values mma of the other rows adds nothing to it).
 //
 // q        fp32 [n_tokens, n_head, d]   (d = head dim, dk == dv here, d <= 128, d % 32 == 0)
 // k_cache, v_cache fp16 [n_slots, n_ctx, n_kv, d] of this layer
@@ -23,351 +35,633 @@
 //                  of slot slots[t] (step state, read on the device)
 // out      fp32 [n_tokens, n_head * d]
 //
-// rf_attention_decode: a block a segment of one (KV head, token), a warp a (head of the
-//   group, piece): the block stages the segment's K and V rows in shared memory once for
-//   the whole group, and each head's first warp folds the head's pieces. A context of one
-//   segment is finished there; otherwise each block writes its heads' segment states to
-//   `partial` [n_tokens, n_head, max_segments, d + 2] (M, Lsum, A) and the last block of
-//   the (token, KV head) to finish folds them all (counters uint32 [n_tokens, n_kv], zero
-//   before the first launch, reset by that block). The grid is sized for the whole
-//   context; blocks past the token's last segment exit.
-//   Launch: grid (n_kv, n_tokens, max_segments), block RF_ATTN_SEGMENT * group * warp size.
-// rf_attention_prefill: the tokens of one slot (a prompt chunk); a block takes one KV
-//   head and RF_ATTN_PREFILL_TOKENS tokens, a warp one (token, head of the group). The
-//   block stages each piece's K and V rows in shared memory once for all its warps; each
-//   warp folds its pieces into the segment state and each finished segment into the
-//   total, whose A it keeps in `out` until the end.
-//   Launch: grid (n_kv, ceil(n_tokens / RF_ATTN_PREFILL_TOKENS)),
-//           block RF_ATTN_PREFILL_TOKENS * group * warp size.
+// rf_attention_decode: a block per (KV head, token, tile) computes the part of each head
+//   of the group (the rows of one 16-row mma block; rows past the group idle). Its 4
+//   warps stage the tile's K and V rows in shared memory; warp w takes positions
+//   16 w..16 w + 15 of s and p, passing the row maxima (exact in any order) and its pair
+//   sums w_2w + w_2w+1 to the others through shared memory, then a share of the value
+//   columns. A context of one tile is finished there (the fold into the start state);
+//   otherwise the parts go to `partial`
+//   [n_tokens, n_head, max_tiles, d + 4] (acc[d], m, l, 2 unused) and the last block of
+//   the (token, KV head) to finish folds them all in order (counters uint32 [n_tokens,
+//   n_kv], zero before the first launch, reset by that block). The grid is sized for the
+//   whole context; blocks past the token's last tile exit.
+//   Launch: grid (n_kv, n_tokens, max_tiles), block RF_ATTN_WARPS * 32.
+// rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
+//   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
+//   the group), token-major, 16 a warp, whose q fragments (hi and lo) and state stay in
+//   registers.
+//   The block stages the tiles up to its last token's position once for all its warps,
+//   cp.async on NVIDIA: for D <= 64 the next tile loads while this one is used; for
+//   larger D (one buffer each fits 48 KiB) K of the next tile loads while the values of
+//   this one are used, and V while its scores are computed. A warp computes the tiles up
+//   to its own last row's.
+//   Launch: grid (n_kv, ceil(n_tokens / (RF_ATTN_PREFILL_ROWS / group))),
+//           block RF_ATTN_WARPS * 32.
+//
+// A "warp" here is an aligned group of 32 lanes (threadIdx.x / 32): a CUDA warp, half a
+// CDNA wavefront.
 #include "rf_portability.h"
 #include "rf_constants.h"
 
-// From rf_constants.h: RF_ATTN_PIECE (positions a piece: lanes 0..31; a wave64 leaves
-// 32..63 idle), RF_ATTN_SEGMENT (pieces a segment), RF_ATTN_PREFILL_LANES (warp size x
-// tokens a prefill block takes), RF_ATTN_MAX_GROUP (query heads per KV head) and
-// RF_ATTN_MAX_D (head dim).
-#define RF_ATTN_PREFILL_TOKENS (RF_ATTN_PREFILL_LANES / RF_WARP_SIZE)  // 1024 threads, group 8
-#define RF_ATTN_MAX_PER_LANE (RF_ATTN_MAX_D / RF_ATTN_PIECE)  // output elements a lane holds
-#define RF_ATTN_PITCH (RF_ATTN_MAX_D + 8)  // staged key row pitch in halves (16-byte aligned)
+// From rf_constants.h: RF_ATTN_TILE (key positions a tile), RF_ATTN_WARPS (warps a
+// block), RF_ATTN_PREFILL_ROWS (query rows a prefill block takes), RF_ATTN_MAX_GROUP
+// (query heads per KV head) and RF_ATTN_MAX_D (head dim).
+static_assert(RF_ATTN_TILE == 64, "the fragment code is written for 64-position tiles");
+static_assert(RF_ATTN_PREFILL_ROWS == 16 * RF_ATTN_WARPS, "a warp takes 16 query rows");
+static_assert(RF_ATTN_WARPS == 4, "a decode warp takes 2 of a tile's 8 column blocks");
+static_assert(RF_ATTN_MAX_GROUP <= 16, "a token's heads fit one 16-row mma block");
+static_assert(RF_ATTN_MAX_D == 128, "the kernels are instantiated for d = 32, 64, 96, 128");
+#define RF_ATTN_THREADS (RF_ATTN_WARPS * 32)
+#define RF_ATTN_CHUNK 8  // 8-dim column blocks of acc computed at a time (registers)
+#define RF_ATTN_STAGE(D) (RF_ATTN_TILE * ((D) + 8))  // halves a staged tile of head dim D
 
-static_assert(RF_WARP_SIZE % RF_ATTN_PIECE == 0, "a piece fits in a warp");
-
-struct alignas(16) rf_attn_u32x4 {
-    uint32_t v[4];
+struct alignas(8) rf_attn_f32x2 {
+    float v[2];
 };
 struct alignas(16) rf_attn_f32x4 {
     float v[4];
 };
 
-// One piece's value rows (and, for the prefill kernel, key rows) in shared memory, fp16.
-struct rf_attn_values {
-    uint16_t v[RF_ATTN_PIECE][RF_ATTN_MAX_D];
-};
-struct rf_attn_tile {
-    uint16_t k[RF_ATTN_PIECE][RF_ATTN_PITCH];
-    rf_attn_values values;
-};
-
-// A fold state (or a part to fold in) of one head: this lane's share of (M, Lsum, A).
-struct rf_attn_state {
-    float m;
-    float l;
-    float a[RF_ATTN_MAX_PER_LANE];
-};
-
-RF_DEVICE_INLINE void rf_attn_start(rf_attn_state& s) {
-    s.m = -RF_INFINITY;
-    s.l = 0.0f;
+// Rows [0, RF_ATTN_TILE) of a K or V tile into shared memory, D + 8 halves apart (16-byte
+// aligned; the 8 rows an ldmatrix reads hit 32 distinct banks): rows [0, n) from `src`
+// (`stride` halves apart), zeros past n. Every thread of the block takes part; cp.async
+// on NVIDIA (the caller commits and waits).
+template <int D>
+RF_DEVICE_INLINE void rf_attn_stage(uint16_t* dst, const uint16_t* src, int64_t stride, int n) {
+    constexpr int PER_ROW = D / 8, CHUNKS = RF_ATTN_TILE * PER_ROW;
+    static_assert(CHUNKS % RF_ATTN_THREADS == 0, "whole rounds of 16-byte copies");
 #pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        s.a[e] = 0.0f;
+    for (int i = (int)threadIdx.x; i < CHUNKS; i += RF_ATTN_THREADS) {
+        const int row = i / PER_ROW, c = i % PER_ROW;
+        const bool fill = row < n;
+        rf_cp_async16(dst + row * (D + 8) + 8 * c, fill ? src + row * stride + 8 * c : src, fill);
     }
 }
 
-// The fold of a part into a state (see the top).
-RF_DEVICE_INLINE void rf_attn_fold(rf_attn_state& s, const rf_attn_state& part) {
-    const float m_new = fmaxf(s.m, part.m);
-    const float alpha = expf(s.m - m_new), beta = expf(part.m - m_new);
-    s.l = fmaf(part.l, beta, s.l * alpha);
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        s.a[e] = fmaf(part.a[e], beta, s.a[e] * alpha);
-    }
-    s.m = m_new;
+// The fp16 parts (hi, lo) of q * qscale for two consecutive dims x0, x1 (see the top), as
+// fp16 pairs (A fragment registers). lo's fmaf is explicit so that no compiler contracts
+// or splits it differently in one kernel than in another.
+RF_DEVICE_INLINE void rf_attn_q_split(float x0, float x1, float qscale, uint32_t& hi,
+                                      uint32_t& lo) {
+    hi = rf_float2_to_half2(x0 * qscale, x1 * qscale);
+    lo = rf_float2_to_half2(fmaf(x0, qscale, -rf_half_to_float((uint16_t)hi)),
+                            fmaf(x1, qscale, -rf_half_to_float((uint16_t)(hi >> 16))));
 }
 
-// Copy rows [0, rows) (rows <= RF_ATTN_PIECE) of fp16 (`stride` halves apart from `src`)
-// into shared rows of `pitch` halves; threads first .. first + n_threads - 1 take part,
-// every load issued before the first store. d <= RF_ATTN_MAX_D; n_threads is at least
-// RF_ATTN_PIECE * RF_ATTN_MAX_D / 8 / MAX_EACH.
-template <int MAX_EACH>
-RF_DEVICE_INLINE void rf_attn_copy_rows(uint16_t* dst, int pitch, const uint16_t* src,
-                                        int64_t stride, int rows, int d, int first,
-                                        int n_threads) {
-    const int per_row = d / 8, n = rows * per_row;
-    rf_attn_u32x4 raw[MAX_EACH];
+// This lane's q fragments (rf_mma_f16_m16n8k16's A; k-step ks = dims 16 ks..16 ks + 15)
+// of its rows g and g + 8, the parts hi and lo of q * qscale.
+template <int D>
+struct rf_attn_qfrag {
+    uint32_t hi[D / 16][4];
+    uint32_t lo[D / 16][4];
+};
+
+// The fragments of q rows row0 and row1 (nullptr: zeros).
+template <int D>
+RF_DEVICE_INLINE void rf_attn_q(rf_attn_qfrag<D>& qa, const float* row0, const float* row1,
+                                float qscale) {
+    const int t = (int)(threadIdx.x & 3u);
 #pragma unroll
-    for (int u = 0; u < MAX_EACH; ++u) {
-        const int i = (int)threadIdx.x - first + u * n_threads;
-        if (i < n) {
-            raw[u] = *(const rf_attn_u32x4*)(src + (int64_t)(i / per_row) * stride +
-                                             (i % per_row) * 8);
-        }
-    }
+    for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
-    for (int u = 0; u < MAX_EACH; ++u) {
-        const int i = (int)threadIdx.x - first + u * n_threads;
-        if (i < n) {
-            *(rf_attn_u32x4*)(dst + (i / per_row) * pitch + (i % per_row) * 8) = raw[u];
+        for (int h = 0; h < 2; ++h) {
+            const int c = 16 * ks + 8 * h + 2 * t;
+            rf_attn_f32x2 x0 = {{0.0f, 0.0f}}, x1 = {{0.0f, 0.0f}};
+            if (row0 != nullptr) {
+                x0 = *(const rf_attn_f32x2*)(row0 + c);
+            }
+            if (row1 != nullptr) {
+                x1 = *(const rf_attn_f32x2*)(row1 + c);
+            }
+            rf_attn_q_split(x0.v[0], x0.v[1], qscale, qa.hi[ks][2 * h], qa.lo[ks][2 * h]);
+            rf_attn_q_split(x1.v[0], x1.v[1], qscale, qa.hi[ks][2 * h + 1], qa.lo[ks][2 * h + 1]);
         }
     }
 }
 
-// One piece of one (token, head) (the arithmetic at the top): this lane's part of
-// (m, l, acc). `key8(c)` gives keys c..c+7 of this lane's position as a raw 16-byte
-// load; `values` holds the piece's rows, the first n_valid the token's; q_head holds the
-// head's q (shared memory, 16-byte aligned).
-template <typename Key8>
-RF_DEVICE_INLINE void rf_attn_piece(Key8 key8, const rf_attn_values& values, int n_valid,
-                                    const float* q_head, int d, float scale,
-                                    rf_attn_state& part) {
-    const int lane = threadIdx.x % RF_WARP_SIZE, per_lane = d / RF_ATTN_PIECE;
-    const bool valid = lane < n_valid;
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+// The steps of a tile's part for this lane's rows g, g + 8 (r = 0, 1), shared by both
+// kernels; rf_attn_scores below runs them over a whole tile.
+//
+// s of the tile's positions 8 nb..8 nb + 7 (rf_mma_f16's C layout: s[2 r + e] is column
+// 2t + e of row r).
+template <int D>
+RF_DEVICE_INLINE void rf_attn_qk(const rf_attn_qfrag<D>& qa, const uint16_t* k_tile, int nb,
+                                 float (&s)[4]) {
+    const int lane = (int)(threadIdx.x & 31u);
+    // Lane 8i + j addresses row j of matrix i: dims 16 ks + 8 i of position 8 nb + j, i.e.
+    // b[0..1] of k-step ks and b[2..3] of k-step ks + 1.
+    const uint16_t* k_rows = k_tile + (8 * nb + (lane & 7)) * (D + 8) + 8 * (lane >> 3);
+    s[0] = s[1] = s[2] = s[3] = 0.0f;
 #pragma unroll
-    for (int c = 0; c < RF_ATTN_MAX_D; c += 8) {
-        if (c < d) {
-            const rf_attn_u32x4 raw = key8(c);
-            const rf_attn_f32x4 q0 = *(const rf_attn_f32x4*)(q_head + c);
-            const rf_attn_f32x4 q1 = *(const rf_attn_f32x4*)(q_head + c + 4);
+    for (int ks = 0; ks < D / 16; ks += 2) {
+        uint32_t b[4];
+        rf_ldmatrix_x4(b, k_rows + 16 * ks);
+        rf_mma_f16_m16n8k16(s, qa.hi[ks], b);
+        rf_mma_f16_m16n8k16(s, qa.lo[ks], b);
+        rf_mma_f16_m16n8k16(s, qa.hi[ks + 1], b + 2);
+        rf_mma_f16_m16n8k16(s, qa.lo[ks + 1], b + 2);
+    }
+}
+// -inf at the columns of n-block nb past each row's last column last[r] (position -
+// tile_start).
+RF_DEVICE_INLINE void rf_attn_mask(float (&s)[4], int nb, const int (&last)[2]) {
+    const int t = (int)(threadIdx.x & 3u);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float k = rf_half_to_float((uint16_t)(raw.v[e / 2] >> (16 * (e % 2))));
-                a[e % 4] = fmaf(e < 4 ? q0.v[e] : q1.v[e - 4], k, a[e % 4]);
+    for (int i = 0; i < 4; ++i) {
+        s[i] = 8 * nb + 2 * t + (i & 1) <= last[i / 2] ? s[i] : -RF_INFINITY;
+    }
+}
+// The maximum over the quad that holds a row (exact: any order gives it).
+RF_DEVICE_INLINE float rf_attn_quad_max(float v) {
+    v = fmaxf(v, rf_shfl_xor(v, 1));
+    return fmaxf(v, rf_shfl_xor(v, 2));
+}
+// Row r's weights in the n-block s: p = fp16(exp2(s - mx)) as an fp16 pair (an A fragment
+// register of the values mma) and w = their sum; 0 unless `any` (the row has a column in
+// the tile, so mx is finite).
+RF_DEVICE_INLINE uint32_t rf_attn_weights(const float (&s)[4], int r, float mx, bool any,
+                                          float& w) {
+    const float p0 = any ? rf_exp2(s[2 * r] - mx) : 0.0f;
+    const float p1 = any ? rf_exp2(s[2 * r + 1] - mx) : 0.0f;
+    const uint32_t ph = rf_float2_to_half2(p0, p1);
+    w = rf_half_to_float((uint16_t)ph) + rf_half_to_float((uint16_t)(ph >> 16));
+    return ph;
+}
+// l from a lane's pair sums u_k = w_2k + w_2k+1 of n-blocks 2k, 2k + 1 (see the top).
+RF_DEVICE_INLINE float rf_attn_row_sum(float u0, float u1, float u2, float u3) {
+    float sum = (u0 + u1) + (u2 + u3);
+    sum += rf_shfl_xor(sum, 1);
+    return sum + rf_shfl_xor(sum, 2);
+}
+
+// A tile's scores and weights for this lane's rows of position pos[r] (-1: no row): m, l
+// and p (see the top), p as the A fragments of the values mma (pa[kk]: positions
+// 16 kk..16 kk + 15). A row with pos < tile_start gets m = -inf, l = 0, p = 0.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_scores(const rf_attn_qfrag<D>& qa, const uint16_t* k_tile,
+                                     int tile_start, const int (&pos)[2], uint32_t (&pa)[4][4],
+                                     float (&m)[2], float (&l)[2]) {
+    const int last[2] = {pos[0] - tile_start, pos[1] - tile_start};
+    float s[8][4];
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+        rf_attn_qk<D>(qa, k_tile, nb, s[nb]);
+        rf_attn_mask(s[nb], nb, last);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            mx[k] = fmaxf(fmaxf(s[2 * k][2 * r], s[2 * k][2 * r + 1]),
+                          fmaxf(s[2 * k + 1][2 * r], s[2 * k + 1][2 * r + 1]));
+        }
+        m[r] = rf_attn_quad_max(fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])));
+        float u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float w0, w1;
+            pa[k][r] = rf_attn_weights(s[2 * k], r, m[r], last[r] >= 0, w0);
+            pa[k][2 + r] = rf_attn_weights(s[2 * k + 1], r, m[r], last[r] >= 0, w1);
+            u[k] = w0 + w1;
+        }
+        l[r] = rf_attn_row_sum(u[0], u[1], u[2], u[3]);
+    }
+}
+
+// acc of dims 8 nb0..8 (nb0 + N) - 1 of the tile (N column blocks of 8): p . v.
+template <int D, int N>
+RF_DEVICE_INLINE void rf_attn_values(const uint32_t (&pa)[4][4], const uint16_t* v_tile, int nb0,
+                                     float (&acc)[RF_ATTN_CHUNK][4]) {
+    static_assert(N % 2 == 0 && N <= RF_ATTN_CHUNK, "pairs of column blocks");
+    const int lane = (int)(threadIdx.x & 31u);
+    // Lane 8i + j addresses row j of matrix i: positions 16 kk + 8 (i % 2) + j, dims
+    // 8 (nb + i / 2): b[0..1] of column block nb, b[2..3] of nb + 1.
+    const uint16_t* v_rows = v_tile + (lane & 15) * (D + 8) + 8 * (nb0 + (lane >> 4));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            uint32_t b[4];
+            rf_ldmatrix_x4_trans(b, v_rows + 16 * kk * (D + 8) + 8 * i);
+            rf_mma_f16_m16n8k16(acc[i], pa[kk], b);
+            rf_mma_f16_m16n8k16(acc[i + 1], pa[kk], b + 2);
+        }
+    }
+}
+
+// The fold of a part (m, l, acc) into a state (M, Lsum, A) (see the top): rf_attn_fold_ml
+// updates (M, Lsum) and gives alpha, beta; rf_attn_fold_a gives an element's new A.
+RF_DEVICE_INLINE void rf_attn_fold_ml(float& big_m, float& big_l, float m, float l, float& alpha,
+                                      float& beta) {
+    const float m_new = fmaxf(big_m, m);
+    alpha = rf_exp2(big_m - m_new);
+    beta = rf_exp2(m - m_new);
+    big_l = fmaf(l, beta, big_l * alpha);
+    big_m = m_new;
+}
+RF_DEVICE_INLINE float rf_attn_fold_a(float a, float acc, float alpha, float beta) {
+    return fmaf(acc, beta, a * alpha);
+}
+
+// ---------------------------------------------------------------------------------------
+// What the decode block's warps exchange: the row maxima of their column blocks, and the
+// weights (fragments) and pair sums of them.
+struct rf_attn_decode_shared {
+    uint16_t k[RF_ATTN_STAGE(RF_ATTN_MAX_D)];
+    uint16_t v[RF_ATTN_STAGE(RF_ATTN_MAX_D)];
+    float max[RF_ATTN_WARPS][16];
+    uint32_t pa[RF_ATTN_WARPS][32][4];  // warp w: pa[w] of the tile (positions 16 w..)
+    float u[RF_ATTN_WARPS][32][2];      // warp w: u_w of each lane's rows
+    int last_block;
+};
+
+template <int D>
+RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_RESTRICT q,
+                                     const uint16_t* RF_RESTRICT k_cache,
+                                     const uint16_t* RF_RESTRICT v_cache,
+                                     const int32_t* RF_RESTRICT positions,
+                                     const int32_t* RF_RESTRICT slots, int n_ctx, int n_head,
+                                     int n_kv, float qscale, int max_tiles,
+                                     float* RF_RESTRICT partial, uint32_t* RF_RESTRICT counters,
+                                     float* RF_RESTRICT out) {
+    constexpr int RECORD = D + 4;  // a part in `partial`: acc[D], m, l, 2 unused
+    const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
+    const int group = n_head / n_kv;
+    const int length = positions[token] + 1;
+    const int n_tiles = (length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
+    if (tile >= n_tiles) {
+        return;  // the whole block is past the context
+    }
+    const int tile_start = tile * RF_ATTN_TILE;
+    const int64_t kv_stride = (int64_t)n_kv * D;
+    const int64_t rows = (int64_t)slots[token] * n_ctx * kv_stride +
+                         (int64_t)tile_start * kv_stride + (int64_t)kvh * D;
+    rf_attn_stage<D>(sh.k, k_cache + rows, kv_stride, length - tile_start);
+    rf_attn_stage<D>(sh.v, v_cache + rows, kv_stride, length - tile_start);
+    rf_cp_async_commit();
+    // Rows: the group's heads (one 16-row block; rows past the group have no position).
+    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t head0 = (int64_t)token * n_head + (int64_t)kvh * group;  // the group's first
+    int pos[2], last[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        pos[r] = g + 8 * r < group ? length - 1 : -1;
+        last[r] = pos[r] - tile_start;
+    }
+    rf_attn_qfrag<D> qa;  // loads while the tile does
+    rf_attn_q<D>(qa, pos[0] >= 0 ? q + (head0 + g) * D : nullptr,
+                 pos[1] >= 0 ? q + (head0 + g + 8) * D : nullptr, qscale);
+    rf_cp_async_wait<0>();
+    __syncthreads();
+    // Warp w takes the tile's column blocks 2w, 2w + 1 (positions 16 w..16 w + 15) of s and
+    // p, then the values' column blocks of pairs w, w + 4, ...: the steps of rf_attn_scores
+    // and the fold, with the exact maxima and the pair sums u_w passed between warps.
+    float s[2][4];
+    rf_attn_qk<D>(qa, sh.k, 2 * warp, s[0]);
+    rf_attn_qk<D>(qa, sh.k, 2 * warp + 1, s[1]);
+    rf_attn_mask(s[0], 2 * warp, last);
+    rf_attn_mask(s[1], 2 * warp + 1, last);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float mx = rf_attn_quad_max(fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                                fmaxf(s[1][2 * r], s[1][2 * r + 1])));
+        if (t == 0) {
+            sh.max[warp][g + 8 * r] = mx;
+        }
+    }
+    __syncthreads();
+    float m[2], l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float* mx = &sh.max[0][g + 8 * r];
+        m[r] = fmaxf(fmaxf(mx[0], mx[16]), fmaxf(mx[32], mx[48]));
+        float w0, w1;
+        sh.pa[warp][lane][r] = rf_attn_weights(s[0], r, m[r], last[r] >= 0, w0);
+        sh.pa[warp][lane][2 + r] = rf_attn_weights(s[1], r, m[r], last[r] >= 0, w1);
+        sh.u[warp][lane][r] = w0 + w1;
+    }
+    __syncthreads();
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pa[kk][i] = sh.pa[kk][lane][i];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = rf_attn_row_sum(sh.u[0][lane][r], sh.u[1][lane][r], sh.u[2][lane][r],
+                               sh.u[3][lane][r]);
+    }
+    float big_m[2] = {-RF_INFINITY, -RF_INFINITY}, big_l[2] = {0.0f, 0.0f};
+    float alpha[2] = {1.0f, 1.0f}, beta[2] = {0.0f, 0.0f};
+    if (n_tiles == 1) {  // the fold into the start state
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (pos[r] >= 0) {
+                rf_attn_fold_ml(big_m[r], big_l[r], m[r], l[r], alpha[r], beta[r]);
             }
         }
     }
-    const float score = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
-    part.m = rf_warp_max(valid ? score : -RF_INFINITY);
-    const float w = valid ? expf(score - part.m) : 0.0f;
-    part.l = rf_warp_sum(w);
-    float b[2][RF_ATTN_MAX_PER_LANE];
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        b[0][e] = 0.0f;
-        b[1][e] = 0.0f;
-    }
-    const uint16_t* v_col = &values.v[0][lane < RF_ATTN_PIECE ? lane * per_lane : 0];
-#pragma unroll 2
-    for (int j = 0; j < n_valid; j += 2) {
+    float* parts = partial + head0 * max_tiles * RECORD;  // head h's tile j: (h max_tiles + j)
+    for (int pair = warp; pair < D / 16; pair += RF_ATTN_WARPS) {
+        float acc[RF_ATTN_CHUNK][4];
+        rf_attn_values<D, 2>(pa, sh.v, 2 * pair, acc);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            if (j + i < n_valid) {
-                const float wj = rf_shfl(w, j + i, RF_WARP_SIZE);
 #pragma unroll
-                for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-                    if (e < per_lane) {
-                        const float v = rf_half_to_float(v_col[(j + i) * RF_ATTN_MAX_D + e]);
-                        b[i][e] = fmaf(wj, v, b[i][e]);
-                    }
+            for (int r = 0; r < 2; ++r) {
+                if (pos[r] < 0) {
+                    continue;
+                }
+                const int c = 8 * (2 * pair + i) + 2 * t, h = g + 8 * r;
+                rf_attn_f32x2 v;
+                if (n_tiles == 1) {
+                    v.v[0] = rf_attn_fold_a(0.0f, acc[i][2 * r], alpha[r], beta[r]) / big_l[r];
+                    v.v[1] = rf_attn_fold_a(0.0f, acc[i][2 * r + 1], alpha[r], beta[r]) / big_l[r];
+                    *(rf_attn_f32x2*)(out + (head0 + h) * D + c) = v;
+                } else {
+                    v.v[0] = acc[i][2 * r];
+                    v.v[1] = acc[i][2 * r + 1];
+                    *(rf_attn_f32x2*)(parts + ((int64_t)h * max_tiles + tile) * RECORD + c) = v;
                 }
             }
         }
     }
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        part.a[e] = b[0][e] + b[1][e];
-    }
-}
-
-// This lane's A elements <-> a head's d floats (an output row), or A / Lsum into them.
-RF_DEVICE_INLINE void rf_attn_save_a(float* head, const rf_attn_state& s, int d, int lane,
-                                     bool divide) {
-    const int per_lane = d / RF_ATTN_PIECE;
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        if (lane < RF_ATTN_PIECE && e < per_lane) {
-            head[lane * per_lane + e] = divide ? s.a[e] / s.l : s.a[e];
-        }
-    }
-}
-RF_DEVICE_INLINE void rf_attn_load_a(const float* head, rf_attn_state& s, int d, int lane) {
-    const int per_lane = d / RF_ATTN_PIECE;
-#pragma unroll
-    for (int e = 0; e < RF_ATTN_MAX_PER_LANE; ++e) {
-        s.a[e] = lane < RF_ATTN_PIECE && e < per_lane ? head[lane * per_lane + e] : 0.0f;
-    }
-}
-
-// A whole state's share for this lane <-> (M, Lsum, A[d]) in memory.
-RF_DEVICE_INLINE void rf_attn_save(float* dst, const rf_attn_state& s, int d, int lane) {
-    rf_attn_save_a(dst + 2, s, d, lane, false);
-    if (lane == 0) {
-        dst[0] = s.m;
-        dst[1] = s.l;
-    }
-}
-RF_DEVICE_INLINE void rf_attn_load(const float* src, rf_attn_state& s, int d, int lane) {
-    s.m = src[0];
-    s.l = src[1];
-    rf_attn_load_a(src + 2, s, d, lane);
-}
-
-RF_KERNEL_BOUNDS(RF_ATTN_SEGMENT* RF_ATTN_MAX_GROUP* RF_WARP_SIZE)
-void rf_attention_decode(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
-                         const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
-                         const int32_t* RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, int d,
-                         float scale, int max_segments, float* RF_RESTRICT partial,
-                         uint32_t* RF_RESTRICT counters, float* RF_RESTRICT out) {
-    __shared__ __align__(16) float s_q[RF_ATTN_MAX_GROUP][RF_ATTN_MAX_D];
-    __shared__ __align__(16) rf_attn_tile s_tiles[RF_ATTN_SEGMENT];
-    __shared__ __align__(16) float s_parts[RF_ATTN_MAX_GROUP][RF_ATTN_SEGMENT][RF_ATTN_MAX_D + 2];
-    __shared__ int s_last;
-    rf_pdl_begin();
-    const int kvh = blockIdx.x, t = blockIdx.y, segment = blockIdx.z;
-    const int group = n_head / n_kv, n_threads = (int)blockDim.x;
-    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
-    const int g = warp / RF_ATTN_SEGMENT, piece = warp % RF_ATTN_SEGMENT;  // this warp's work
-    const int length = positions[t] + 1;
-    const int segment_len = RF_ATTN_SEGMENT * RF_ATTN_PIECE;
-    const int n_segments = (length + segment_len - 1) / segment_len;
-    if (segment >= n_segments) {
-        return;  // the whole block is past the context
-    }
-    const int first = segment * segment_len;
-    const int n_pieces = min(RF_ATTN_SEGMENT, (length - first + RF_ATTN_PIECE - 1) / RF_ATTN_PIECE);
-    const int64_t kv_stride = (int64_t)n_kv * d;
-    const int64_t rows = (int64_t)slots[t] * n_ctx * kv_stride + (int64_t)first * kv_stride +
-                         (int64_t)kvh * d;
-    // The segment's K and V rows, read once for the whole group, and the group's q.
-    for (int p = 0; p < n_pieces; ++p) {
-        const int64_t at = rows + (int64_t)p * RF_ATTN_PIECE * kv_stride;
-        const int n_rows = min(RF_ATTN_PIECE, length - first - p * RF_ATTN_PIECE);
-        // At least 2 warps: eight 16-byte pieces a thread at most.
-        rf_attn_copy_rows<8>(&s_tiles[p].k[0][0], RF_ATTN_PITCH, k_cache + at, kv_stride, n_rows,
-                             d, 0, n_threads);
-        rf_attn_copy_rows<8>(&s_tiles[p].values.v[0][0], RF_ATTN_MAX_D, v_cache + at, kv_stride,
-                             n_rows, d, 0, n_threads);
-    }
-    const float* q_group = q + ((int64_t)t * n_head + (int64_t)kvh * group) * d;
-    for (int i = threadIdx.x; i < group * d; i += n_threads) {
-        s_q[i / d][i % d] = q_group[i];
-    }
-    __syncthreads();
-    rf_attn_state part;
-    if (piece < n_pieces) {
-        const int n_valid = min(RF_ATTN_PIECE, length - first - piece * RF_ATTN_PIECE);
-        const uint16_t* k_row = s_tiles[piece].k[lane < n_valid ? lane : 0];
-        rf_attn_piece([&](int c) { return *(const rf_attn_u32x4*)(k_row + c); },
-                      s_tiles[piece].values, n_valid, s_q[g], d, scale, part);
-        rf_attn_save(s_parts[g][piece], part, d, lane);
-    }
-    __syncthreads();
-    // The first warp of each head folds the head's pieces of the segment in order.
-    const bool folds = piece == 0;
-    rf_attn_state state;
-    rf_attn_start(state);
-    if (folds) {
-        for (int p = 0; p < n_pieces; ++p) {
-            rf_attn_load(s_parts[g][p], part, d, lane);
-            rf_attn_fold(state, part);
-        }
-    }
-    const int head = kvh * group + g;
-    float* out_head = out + ((int64_t)t * n_head + head) * d;
-    if (n_segments == 1) {  // the total is this segment's state
-        if (folds) {
-            rf_attn_save_a(out_head, state, d, lane, true);
-        }
+    if (n_tiles == 1) {
         return;
     }
-    float* parts = partial + ((int64_t)t * n_head + head) * max_segments * (d + 2);
-    if (folds) {
-        rf_attn_save(parts + (int64_t)segment * (d + 2), state, d, lane);
+    if (warp == 0 && t == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (pos[r] >= 0) {
+                float* record = parts + ((int64_t)(g + 8 * r) * max_tiles + tile) * RECORD;
+                record[D] = m[r];
+                record[D + 1] = l[r];
+            }
+        }
     }
-    // The last block of this (token, KV head) to finish folds every segment in order.
+    // The last block of this (token, KV head) to finish folds every tile's part in order,
+    // a thread per (head, 4 dims).
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        uint32_t* counter = counters + (int64_t)t * n_kv + kvh;
-        s_last = atomicAdd(counter, 1u) == (uint32_t)(n_segments - 1);
-        if (s_last) {
+        uint32_t* counter = counters + (int64_t)token * n_kv + kvh;
+        sh.last_block = atomicAdd(counter, 1u) == (uint32_t)(n_tiles - 1);
+        if (sh.last_block) {
             *counter = 0u;
         }
     }
     __syncthreads();
-    if (!s_last || !folds) {
+    if (!sh.last_block) {
         return;
     }
     __threadfence();
-    rf_attn_start(state);
-    for (int sg = 0; sg < n_segments; ++sg) {
-        rf_attn_load(parts + (int64_t)sg * (d + 2), part, d, lane);
-        rf_attn_fold(state, part);
+    for (int i = (int)threadIdx.x; i < group * (D / 4); i += RF_ATTN_THREADS) {
+        const int h = i / (D / 4), c = 4 * (i % (D / 4));
+        const float* record = parts + (int64_t)h * max_tiles * RECORD;
+        float big_m1 = -RF_INFINITY, big_l1 = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int j = 0; j < n_tiles; ++j, record += RECORD) {
+            const rf_attn_f32x4 acc = *(const rf_attn_f32x4*)(record + c);
+            float alpha1, beta1;
+            rf_attn_fold_ml(big_m1, big_l1, record[D], record[D + 1], alpha1, beta1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] = rf_attn_fold_a(a[e], acc.v[e], alpha1, beta1);
+            }
+        }
+        rf_attn_f32x4 v;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v.v[e] = a[e] / big_l1;
+        }
+        *(rf_attn_f32x4*)(out + (head0 + h) * D + c) = v;
     }
-    rf_attn_save_a(out_head, state, d, lane, true);
 }
 
-RF_KERNEL_BOUNDS_ONE(RF_ATTN_PREFILL_TOKENS* RF_ATTN_MAX_GROUP* RF_WARP_SIZE)  // 1024
-void rf_attention_prefill(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
-                          const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
-                          const int32_t* RF_RESTRICT slots, int n_tokens, int n_ctx, int n_head,
-                          int n_kv, int d, float scale, float* RF_RESTRICT out) {
-    __shared__ __align__(16) float s_q[RF_ATTN_PREFILL_TOKENS * RF_ATTN_MAX_GROUP][RF_ATTN_MAX_D];
-    __shared__ __align__(16) rf_attn_tile s_tile;
-    rf_pdl_wait();
-    const int group = n_head / n_kv, n_threads = (int)blockDim.x;
-    const int kvh = blockIdx.x, first_token = blockIdx.y * RF_ATTN_PREFILL_TOKENS;
-    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
-    const int t = first_token + warp / group, head = kvh * group + warp % group;
-    const bool active = t < n_tokens;
-    const int length = active ? positions[t] + 1 : 0;
-    const int64_t kv_stride = (int64_t)n_kv * d;
-    const int64_t base = (int64_t)slots[first_token] * n_ctx * kv_stride + (int64_t)kvh * d;
-    // The tile's longest context: its last token's (a chunk's positions ascend).
-    const int last_token = min(first_token + RF_ATTN_PREFILL_TOKENS, n_tokens) - 1;
-    const int tile_length = positions[last_token] + 1;
-    if (active) {
-        for (int i = lane; i < d; i += RF_WARP_SIZE) {
-            s_q[warp][i] = q[((int64_t)t * n_head + head) * d + i];
-        }
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_decode(const float* RF_RESTRICT q, const uint16_t* RF_RESTRICT k_cache,
+                         const uint16_t* RF_RESTRICT v_cache, const int32_t* RF_RESTRICT positions,
+                         const int32_t* RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, int d,
+                         float qscale, int max_tiles, float* RF_RESTRICT partial,
+                         uint32_t* RF_RESTRICT counters, float* RF_RESTRICT out) {
+    __shared__ __align__(16) rf_attn_decode_shared sh;
+    rf_pdl_begin();
+#define RF_ATTN_DECODE_ARGS                                                                    \
+    sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
+        counters, out
+    switch (d) {
+    case 32:
+        rf_attn_decode<32>(RF_ATTN_DECODE_ARGS);
+        break;
+    case 64:
+        rf_attn_decode<64>(RF_ATTN_DECODE_ARGS);
+        break;
+    case 96:
+        rf_attn_decode<96>(RF_ATTN_DECODE_ARGS);
+        break;
+    default:
+        rf_attn_decode<128>(RF_ATTN_DECODE_ARGS);
+        break;
     }
-    // The total's A lives in this (token, head)'s output row until the end.
-    float* out_head = out + ((int64_t)t * n_head + head) * d;
-    rf_attn_state segment, part, total;
-    rf_attn_start(segment);
-    rf_attn_start(total);
-    for (int start = 0; start < tile_length; start += RF_ATTN_PIECE) {
-        __syncthreads();  // the previous piece's rows are no longer read
-        const int64_t rows = base + (int64_t)start * kv_stride;
-        const int staged = min(RF_ATTN_PIECE, tile_length - start);
-        // A block has at least 4 warps: four 16-byte pieces a thread at most.
-        rf_attn_copy_rows<4>(&s_tile.k[0][0], RF_ATTN_PITCH, k_cache + rows, kv_stride, staged, d,
-                             0, n_threads);
-        rf_attn_copy_rows<4>(&s_tile.values.v[0][0], RF_ATTN_MAX_D, v_cache + rows, kv_stride,
-                             staged, d, 0, n_threads);
-        __syncthreads();
-        if (!active || start >= length) {
-            continue;  // this token's context ends before the piece
-        }
-        const int n_valid = min(RF_ATTN_PIECE, length - start);
-        const uint16_t* k_row = s_tile.k[lane < n_valid ? lane : 0];
-        rf_attn_piece([&](int c) { return *(const rf_attn_u32x4*)(k_row + c); }, s_tile.values,
-                      n_valid, s_q[warp], d, scale, part);
-        rf_attn_fold(segment, part);
-        const int piece = start / RF_ATTN_PIECE;
-        if ((piece + 1) % RF_ATTN_SEGMENT == 0 || start + RF_ATTN_PIECE >= length) {
-            if (piece >= RF_ATTN_SEGMENT) {  // a total exists: its A is in out_head
-                rf_attn_load_a(out_head, total, d, lane);
+#undef RF_ATTN_DECODE_ARGS
+}
+
+// ---------------------------------------------------------------------------------------
+// Tile buffers (K and V each) a prefill block stages: two where they fit 48 KiB of static
+// shared memory, else one.
+#define RF_ATTN_STAGES(D) (4 * RF_ATTN_STAGE(D) * 2 <= 48 * 1024 ? 2 : 1)
+
+template <int D, int STAGES = RF_ATTN_STAGES(D)>
+RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRICT q,
+                                      const uint16_t* RF_RESTRICT k_cache,
+                                      const uint16_t* RF_RESTRICT v_cache,
+                                      const int32_t* RF_RESTRICT positions,
+                                      const int32_t* RF_RESTRICT slots, int n_tokens, int n_ctx,
+                                      int n_head, int n_kv, float qscale, float* RF_RESTRICT out) {
+    rf_pdl_wait();
+    const int group = n_head / n_kv, tokens = RF_ATTN_PREFILL_ROWS / group;
+    const int kvh = blockIdx.x;
+    const int first = (int)(gridDim.y - 1u - blockIdx.y) * tokens;  // longest contexts first
+    const int n_rows = min(tokens, n_tokens - first) * group;  // rows (token, head) of the block
+    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+    int pos[2];
+    int64_t heads[2];  // the rows' (token, head) index
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * warp + g + 8 * r;
+        const int token = first + row / group;
+        heads[r] = (int64_t)token * n_head + (int64_t)kvh * group + row % group;
+        pos[r] = row < n_rows ? positions[token] : -1;
+    }
+    // Tiles up to the block's last token's position (positions ascend in a chunk); this
+    // warp computes those up to its last row's.
+    const int block_length = positions[first + n_rows / group - 1] + 1;
+    const int warp_last = min(16 * warp + 15, n_rows - 1);
+    const int warp_length = warp_last >= 16 * warp ? positions[first + warp_last / group] + 1 : 0;
+    rf_attn_qfrag<D> qa;
+    rf_attn_q<D>(qa, pos[0] >= 0 ? q + heads[0] * D : nullptr,
+                 pos[1] >= 0 ? q + heads[1] * D : nullptr, qscale);
+    float big_m[2] = {-RF_INFINITY, -RF_INFINITY}, big_l[2] = {0.0f, 0.0f};
+    float a[D / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < D / 8; ++nb) {
+        a[nb][0] = a[nb][1] = a[nb][2] = a[nb][3] = 0.0f;
+    }
+    const int64_t kv_stride = (int64_t)n_kv * D;
+    const int64_t base = (int64_t)slots[first] * n_ctx * kv_stride + (int64_t)kvh * D;
+    const int n_tiles = (block_length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
+    uint32_t pa[4][4];
+    float m[2], l[2];
+    // Tile j's part of this warp's rows and its fold into their state (rows whose
+    // context ends before the tile skip the fold).
+    const auto scores = [&](const uint16_t* k_tile, int j) {
+        rf_attn_scores<D>(qa, k_tile, j * RF_ATTN_TILE, pos, pa, m, l);
+    };
+    const auto fold_values = [&](const uint16_t* v_tile, int j) {
+        float alpha[2] = {1.0f, 1.0f}, beta[2] = {0.0f, 0.0f};
+        bool folds[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            folds[r] = pos[r] >= j * RF_ATTN_TILE;
+            if (folds[r]) {
+                rf_attn_fold_ml(big_m[r], big_l[r], m[r], l[r], alpha[r], beta[r]);
             }
-            rf_attn_fold(total, segment);
-            rf_attn_save_a(out_head, total, d, lane, false);
-            rf_attn_start(segment);
+        }
+#pragma unroll
+        for (int nb0 = 0; nb0 < D / 8; nb0 += RF_ATTN_CHUNK) {
+            constexpr int REST = D / 8 % RF_ATTN_CHUNK;
+            float acc[RF_ATTN_CHUNK][4];
+            if (nb0 + RF_ATTN_CHUNK <= D / 8) {
+                rf_attn_values<D, RF_ATTN_CHUNK>(pa, v_tile, nb0, acc);
+            } else {
+                rf_attn_values<D, (REST > 0 ? REST : 2)>(pa, v_tile, nb0, acc);
+            }
+#pragma unroll
+            for (int i = 0; i < RF_ATTN_CHUNK; ++i) {
+                if (nb0 + i < D / 8) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (folds[e / 2]) {
+                            a[nb0 + i][e] =
+                                rf_attn_fold_a(a[nb0 + i][e], acc[i][e], alpha[e / 2], beta[e / 2]);
+                        }
+                    }
+                }
+            }
+        }
+    };
+    const auto stage = [&](uint16_t* dst, const uint16_t* cache, int j) {
+        const int start = j * RF_ATTN_TILE;
+        rf_attn_stage<D>(dst, cache + base + start * kv_stride, kv_stride, block_length - start);
+    };
+    uint16_t* s_k = s_tiles;  // K of stage i at s_k + i * RF_ATTN_STAGE(D), V after them
+    uint16_t* s_v = s_tiles + STAGES * RF_ATTN_STAGE(D);
+    if constexpr (STAGES == 2) {  // tile j in buffers j % 2; tile j + 1 loads while j is used
+        stage(s_k, k_cache, 0);
+        stage(s_v, v_cache, 0);
+        rf_cp_async_commit();
+        if (n_tiles > 1) {
+            stage(s_k + RF_ATTN_STAGE(D), k_cache, 1);
+            stage(s_v + RF_ATTN_STAGE(D), v_cache, 1);
+        }
+        rf_cp_async_commit();
+        for (int j = 0; j < n_tiles; ++j) {
+            const int buffer = (j % 2) * RF_ATTN_STAGE(D);
+            rf_cp_async_wait<1>();
+            __syncthreads();  // tile j is in
+            if (j * RF_ATTN_TILE < warp_length) {
+                scores(s_k + buffer, j);
+                fold_values(s_v + buffer, j);
+            }
+            __syncthreads();  // ... and no longer read
+            if (j + 2 < n_tiles) {
+                stage(s_k + buffer, k_cache, j + 2);
+                stage(s_v + buffer, v_cache, j + 2);
+            }
+            rf_cp_async_commit();
+        }
+    } else {  // K of tile j + 1 loads while the values of j are used, V while its scores are
+        stage(s_k, k_cache, 0);
+        rf_cp_async_commit();
+        stage(s_v, v_cache, 0);
+        rf_cp_async_commit();
+        for (int j = 0; j < n_tiles; ++j) {
+            const bool computes = j * RF_ATTN_TILE < warp_length;
+            rf_cp_async_wait<1>();
+            __syncthreads();  // K of tile j is in
+            if (computes) {
+                scores(s_k, j);
+            }
+            __syncthreads();  // ... and no longer read
+            if (j + 1 < n_tiles) {
+                stage(s_k, k_cache, j + 1);
+            }
+            rf_cp_async_commit();
+            rf_cp_async_wait<1>();
+            __syncthreads();  // V of tile j is in
+            if (computes) {
+                fold_values(s_v, j);
+            }
+            __syncthreads();  // ... and no longer read
+            if (j + 1 < n_tiles) {
+                stage(s_v, v_cache, j + 1);
+            }
+            rf_cp_async_commit();
         }
     }
     rf_pdl_launch_dependents();
-    if (active) {
-        rf_attn_load_a(out_head, total, d, lane);
-        rf_attn_save_a(out_head, total, d, lane, true);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (pos[r] < 0) {
+            continue;
+        }
+        float* out_row = out + heads[r] * D;
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb) {
+            rf_attn_f32x2 v;
+            v.v[0] = a[nb][2 * r] / big_l[r];
+            v.v[1] = a[nb][2 * r + 1] / big_l[r];
+            *(rf_attn_f32x2*)(out_row + 8 * nb + 2 * t) = v;
+        }
     }
+}
+
+#define RF_ATTN_PREFILL_PARAMS                                                              \
+    const float *RF_RESTRICT q, const uint16_t *RF_RESTRICT k_cache,                        \
+        const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,          \
+        const int32_t *RF_RESTRICT slots, int n_tokens, int n_ctx, int n_head, int n_kv,    \
+        float qscale, float *RF_RESTRICT out
+#define RF_ATTN_PREFILL_ARGS \
+    q, k_cache, v_cache, positions, slots, n_tokens, n_ctx, n_head, n_kv, qscale, out
+
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_prefill_d32(RF_ATTN_PREFILL_PARAMS) {
+    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(32) * RF_ATTN_STAGE(32)];
+    rf_attn_prefill<32>(s_tiles, RF_ATTN_PREFILL_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_prefill_d64(RF_ATTN_PREFILL_PARAMS) {
+    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(64) * RF_ATTN_STAGE(64)];
+    rf_attn_prefill<64>(s_tiles, RF_ATTN_PREFILL_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_prefill_d96(RF_ATTN_PREFILL_PARAMS) {
+    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(96) * RF_ATTN_STAGE(96)];
+    rf_attn_prefill<96>(s_tiles, RF_ATTN_PREFILL_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_prefill_d128(RF_ATTN_PREFILL_PARAMS) {
+    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(128) * RF_ATTN_STAGE(128)];
+    rf_attn_prefill<128>(s_tiles, RF_ATTN_PREFILL_ARGS);
 }

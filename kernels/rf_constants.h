@@ -15,8 +15,8 @@
 //   RF_GEMM_THREADS, RF_GEMM_TILE_N, RF_GEMM_TILE_M   the prefill GEMM's block and tile
 //   RF_EMBED_THREADS, RF_ROPE_THREADS                 block sizes
 //   RF_F16_THREADS         block size of the vendor GEMM's element-wise kernels (gemm_f16.hip)
-//   RF_ATTN_PIECE, RF_ATTN_SEGMENT (pieces), RF_ATTN_PREFILL_LANES, RF_ATTN_MAX_GROUP,
-//   RF_ATTN_MAX_D          attention's work split and limits (attention.hip)
+//   RF_ATTN_TILE, RF_ATTN_WARPS, RF_ATTN_PREFILL_ROWS, RF_ATTN_MAX_GROUP, RF_ATTN_MAX_D
+//                          attention's key tile, block, work split and limits (attention.hip)
 //   RF_ARGMAX_THREADS, RF_SAMPLE_THREADS, RF_SAMPLE_SLICE, RF_SAMPLE_CANDIDATES,
 //   RF_SAMPLE_MAX_TOP, RF_SAMPLE_WEIGHT_SCALE         sampling (sampling.hip)
 #ifndef RF_CONSTANTS_H
@@ -30,7 +30,7 @@
     !defined(RF_GEMV_MAX_ROWS) || !defined(RF_GEMM_THREADS) || !defined(RF_GEMM_TILE_N) ||  \
     !defined(RF_GEMM_TILE_M) || !defined(RF_EMBED_THREADS) || !defined(RF_ROPE_THREADS) ||  \
     !defined(RF_F16_THREADS) ||                                                             \
-    !defined(RF_ATTN_PIECE) || !defined(RF_ATTN_SEGMENT) || !defined(RF_ATTN_PREFILL_LANES) || \
+    !defined(RF_ATTN_TILE) || !defined(RF_ATTN_WARPS) || !defined(RF_ATTN_PREFILL_ROWS) ||     \
     !defined(RF_ATTN_MAX_GROUP) || !defined(RF_ATTN_MAX_D) || !defined(RF_ARGMAX_THREADS) ||  \
     !defined(RF_SAMPLE_THREADS) || !defined(RF_SAMPLE_SLICE) ||                             \
     !defined(RF_SAMPLE_CANDIDATES) || !defined(RF_SAMPLE_MAX_TOP) ||                        \

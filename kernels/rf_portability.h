@@ -92,9 +92,22 @@ RF_DEVICE_INLINE void rf_syncwarp() {
     __builtin_amdgcn_wave_barrier();
 }
 
-// No int8 matrix instruction is used on AMD yet: rf_mma_s8_m16n8k32 below is
-// emulated with shuffles and dp4a (MFMA/WMMA versions are future work).
+// No matrix instruction is used on AMD yet: rf_mma_s8_m16n8k32 and rf_mma_f16_m16n8k16
+// below are emulated with shuffles and dp4a / fp32 FMAs (MFMA/WMMA versions are future
+// work), as are rf_ldmatrix_x4* and rf_cp_async16 (a plain copy).
 #define RF_HAS_MMA_S8 0
+#define RF_HAS_MMA_F16 0
+#define RF_HAS_LDMATRIX 0
+#define RF_HAS_CP_ASYNC 0
+
+// 2^x (the attention softmax's exponential).
+RF_DEVICE_INLINE float rf_exp2(float x) {
+    return exp2f(x);
+}
+// Two floats as an fp16 pair, each rounded to nearest even: lo in bits 0..15.
+RF_DEVICE_INLINE uint32_t rf_float2_to_half2(float lo, float hi) {
+    return (uint32_t)rf_float_to_half(lo) | ((uint32_t)rf_float_to_half(hi) << 16);
+}
 
 // rf_dp4a(a, b, c) = c + sum of the four signed-byte products of a and b.
 #if defined(__GFX11__) || defined(__GFX12__)
@@ -182,9 +195,69 @@ RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const ui
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// c += A * B on the fp16 tensor cores (sm_80+), fp32 accumulation, over one warp: see
+// rf_mma_f16_m16n8k16 below for the fragment layout.
+#define RF_HAS_MMA_F16 1
+RF_DEVICE_INLINE void rf_mma_f16_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // rf_dp4a(a, b, c) = c + sum of the four signed-byte products of a and b.
 RF_DEVICE_INLINE int rf_dp4a(int a, int b, int c) {
     return __dp4a(a, b, c);
+}
+
+// 2^x (the attention softmax's exponential): one MUFU.EX2, denormal results flushed.
+RF_DEVICE_INLINE float rf_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Two floats as an fp16 pair, each rounded to nearest even: lo in bits 0..15.
+RF_DEVICE_INLINE uint32_t rf_float2_to_half2(float lo, float hi) {
+    uint32_t bits;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
+    return bits;
+}
+
+// Shared-memory address of a generic pointer into shared memory.
+RF_DEVICE_INLINE uint32_t rf_shared_address(const void* p) {
+    uint32_t address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(address)
+        : "l"(p));
+    return address;
+}
+
+// ldmatrix (sm_75+) and cp.async (sm_80+): see the portable definitions below.
+#define RF_HAS_LDMATRIX 1
+RF_DEVICE_INLINE void rf_ldmatrix_x4(uint32_t r[4], const uint16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(rf_shared_address(row))
+                 : "memory");
+}
+RF_DEVICE_INLINE void rf_ldmatrix_x4_trans(uint32_t r[4], const uint16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(rf_shared_address(row))
+                 : "memory");
+}
+#define RF_HAS_CP_ASYNC 1
+RF_DEVICE_INLINE void rf_cp_async16(void* dst, const void* src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rf_shared_address(dst)),
+                 "l"(src), "r"(fill ? 16 : 0)
+                 : "memory");
+}
+RF_DEVICE_INLINE void rf_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int PENDING>
+RF_DEVICE_INLINE void rf_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
 #else
@@ -283,6 +356,96 @@ RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const ui
         c[3] = rf_dp4a(a3, b11, rf_dp4a(a1, b10, c[3]));
     }
 }
+#endif
+
+// rf_mma_f16_m16n8k16(c, a, b): c[4] += A * B for a 16x16 fp16 A and a 16x8 fp16 B held
+// by the 32 lanes of an aligned lane group (threadIdx.x / 32; a CUDA warp, half a CDNA
+// wavefront), fp32 C 16x8, in the layout of PTX mma.m16n8k16.row.col.f32.f16.f16.f32.
+// With g = lane / 4 and t = lane % 4, each register packs 2 consecutive k (lower k in
+// bits 0..15):
+//   a[0] = A[g][2t..],  a[1] = A[g+8][2t..],  a[2] = A[g][8+2t..],  a[3] = A[g+8][8+2t..]
+//   b[0] = B[2t..][g],  b[1] = B[8+2t..][g]
+//   c[0] = C[g][2t],  c[1] = C[g][2t+1],  c[2] = C[g+8][2t],  c[3] = C[g+8][2t+1]
+// An element of C depends on its row of A and column of B only. Every lane of the group
+// must call it together (1-D blocks, multiple of 32). The AMD emulation sums each
+// element's 16 exact products in a fixed order, in fp32.
+#if !RF_HAS_MMA_F16
+RF_DEVICE_INLINE float rf_dot2_f16(uint32_t a, uint32_t b, float c) {
+    c = fmaf(rf_half_to_float((uint16_t)a), rf_half_to_float((uint16_t)b), c);
+    return fmaf(rf_half_to_float((uint16_t)(a >> 16)), rf_half_to_float((uint16_t)(b >> 16)), c);
+}
+RF_DEVICE_INLINE void rf_mma_f16_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    const int lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int row_lane = 4 * g + s;         // holds k 2s, 2s+1, 8+2s, 9+2s of rows g, g+8
+        const int col0_lane = 4 * (2 * t) + s;  // the same k of column 2t
+        const int col1_lane = col0_lane + 4;    // ... of column 2t + 1
+        const uint32_t a0 = (uint32_t)rf_shfl((int)a[0], row_lane, 32);
+        const uint32_t a1 = (uint32_t)rf_shfl((int)a[1], row_lane, 32);
+        const uint32_t a2 = (uint32_t)rf_shfl((int)a[2], row_lane, 32);
+        const uint32_t a3 = (uint32_t)rf_shfl((int)a[3], row_lane, 32);
+        const uint32_t b00 = (uint32_t)rf_shfl((int)b[0], col0_lane, 32);
+        const uint32_t b01 = (uint32_t)rf_shfl((int)b[1], col0_lane, 32);
+        const uint32_t b10 = (uint32_t)rf_shfl((int)b[0], col1_lane, 32);
+        const uint32_t b11 = (uint32_t)rf_shfl((int)b[1], col1_lane, 32);
+        c[0] = rf_dot2_f16(a2, b01, rf_dot2_f16(a0, b00, c[0]));
+        c[1] = rf_dot2_f16(a2, b11, rf_dot2_f16(a0, b10, c[1]));
+        c[2] = rf_dot2_f16(a3, b01, rf_dot2_f16(a1, b00, c[2]));
+        c[3] = rf_dot2_f16(a3, b11, rf_dot2_f16(a1, b10, c[3]));
+    }
+}
+#endif
+
+// rf_ldmatrix_x4(r, row) / rf_ldmatrix_x4_trans(r, row): four 8x8 fp16 matrices from
+// shared memory into mma fragments, over one 32-lane group (all lanes call it). Lane
+// 8i + j gives `row`, the address of row j of matrix i (8 consecutive halves, 16-byte
+// aligned); with g = lane / 4 and t = lane % 4, r[i] gets matrix i's elements
+// (g, 2t) and (g, 2t+1), or with _trans (2t, g) and (2t+1, g) (the first in bits 0..15).
+// cp.async: rf_cp_async16(dst, src, fill) copies 16 bytes from global to shared memory
+// (zeros if !fill) in the background; rf_cp_async_commit() closes a group of them and
+// rf_cp_async_wait<N>() waits until at most N groups are pending (then a barrier makes
+// the data visible to the other threads). Elsewhere the copy is done at once.
+#if !RF_HAS_LDMATRIX
+RF_DEVICE_INLINE const uint16_t* rf_lane_pointer(const uint16_t* p, int src_lane) {
+    const uint64_t bits = (uint64_t)p;
+    const uint32_t lo = (uint32_t)rf_shfl((int)(uint32_t)bits, src_lane, 32);
+    const uint32_t hi = (uint32_t)rf_shfl((int)(uint32_t)(bits >> 32), src_lane, 32);
+    return (const uint16_t*)(((uint64_t)hi << 32) | lo);
+}
+RF_DEVICE_INLINE void rf_ldmatrix_x4(uint32_t r[4], const uint16_t* row) {
+    const int lane = (int)(threadIdx.x & 31u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint16_t* p = rf_lane_pointer(row, 8 * i + (lane >> 2));
+        r[i] = (uint32_t)p[2 * (lane & 3)] | ((uint32_t)p[2 * (lane & 3) + 1] << 16);
+    }
+}
+RF_DEVICE_INLINE void rf_ldmatrix_x4_trans(uint32_t r[4], const uint16_t* row) {
+    const int lane = (int)(threadIdx.x & 31u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint16_t* p0 = rf_lane_pointer(row, 8 * i + 2 * (lane & 3));
+        const uint16_t* p1 = rf_lane_pointer(row, 8 * i + 2 * (lane & 3) + 1);
+        r[i] = (uint32_t)p0[lane >> 2] | ((uint32_t)p1[lane >> 2] << 16);
+    }
+}
+#endif
+#if !RF_HAS_CP_ASYNC
+struct alignas(16) rf_cp_async_chunk {
+    uint32_t v[4];
+};
+RF_DEVICE_INLINE void rf_cp_async16(void* dst, const void* src, bool fill) {
+    rf_cp_async_chunk chunk = {{0u, 0u, 0u, 0u}};
+    if (fill) {
+        chunk = *(const rf_cp_async_chunk*)src;
+    }
+    *(rf_cp_async_chunk*)dst = chunk;
+}
+RF_DEVICE_INLINE void rf_cp_async_commit() {}
+template <int PENDING>
+RF_DEVICE_INLINE void rf_cp_async_wait() {}
 #endif
 
 #endif  // RF_PORTABILITY_H

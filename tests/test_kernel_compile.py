@@ -66,6 +66,28 @@ RF_KERNEL void rf_smoke_scalar(const int32_t* a, const int32_t* b, const uint16_
     f_out[i] = rf_half_to_float(h[i]) + rf_load_half((const uint8_t*)(h + i));
     h_out[i] = rf_float_to_half(f_out[i]);
 }
+
+RF_KERNEL_BOUNDS(64)
+void rf_smoke_mma(const uint16_t* h, const int32_t* a, float* f_out, int32_t* i_out) {
+    __shared__ __align__(16) uint16_t tile[8 * 32 * 8];
+    for (int i = threadIdx.x; i < 8 * 32; i += blockDim.x) {
+        rf_cp_async16(tile + 8 * i, h + 8 * i, i % 3 != 0);
+    }
+    rf_cp_async_commit();
+    rf_cp_async_wait<0>();
+    __syncthreads();
+    uint32_t fa[4], fb[4];
+    rf_ldmatrix_x4(fa, tile + 8 * (threadIdx.x & 31u));
+    rf_ldmatrix_x4_trans(fb, tile + 8 * (threadIdx.x & 31u));
+    float c[4] = {0.0f, 0.0f, 0.0f, rf_exp2(f_out[0])};
+    rf_mma_f16_m16n8k16(c, fa, fb);
+    fb[0] = rf_float2_to_half2(c[0], c[1]);
+    int ci[4] = {0, 0, 0, 0};
+    const uint32_t ia[4] = {(uint32_t)a[0], (uint32_t)a[1], (uint32_t)a[2], (uint32_t)a[3]};
+    rf_mma_s8_m16n8k32(ci, ia, fb);
+    f_out[threadIdx.x] = c[0] + c[1] + c[2] + c[3];
+    i_out[threadIdx.x] = ci[0] + ci[1] + ci[2] + ci[3];
+}
 """
 
 
@@ -157,7 +179,7 @@ def test_header_helpers_compile(get_compiler: Callable[[str], Compiler], arch: s
     code = compiler.compile(
         HEADER_SMOKE, "smoke.hip", _headers(), {"RF_WARP_SIZE": compiler.warp_size}
     )
-    assert elf_function_symbols(code) == {"rf_smoke_warp", "rf_smoke_scalar"}
+    assert elf_function_symbols(code) == {"rf_smoke_warp", "rf_smoke_scalar", "rf_smoke_mma"}
 
 
 @pytest.mark.parametrize(("arch", "wrong"), [("sm_90", 64), ("gfx90a", 32), ("gfx1030", 64)])

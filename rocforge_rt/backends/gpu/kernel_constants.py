@@ -33,10 +33,9 @@ EMBED_THREADS = 256  # kernels/embedding.hip
 ROPE_THREADS = 256  # kernels/rope_kv.hip
 
 # Attention (kernels/attention.hip).
-ATTN_PIECE = 32  # context positions a piece (a warp's lanes 0..31)
-ATTN_SEGMENT_PIECES = 2  # pieces a segment; a decode block takes one segment
-ATTN_SEGMENT = ATTN_SEGMENT_PIECES * ATTN_PIECE  # context positions a decode block takes
-ATTN_PREFILL_LANES = 128  # warp size x tokens a prefill block takes
+ATTN_TILE = 64  # key positions a tile (the arithmetic's unit, aligned at position 0)
+ATTN_WARPS = 4  # 32-lane groups a block of either kernel has
+ATTN_PREFILL_ROWS = 16 * ATTN_WARPS  # query rows (token, head) a prefill block takes
 ATTN_MAX_GROUP = 8  # query heads per KV head
 ATTN_MAX_HEAD_DIM = 128
 
@@ -70,9 +69,9 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_F16_THREADS": F16_THREADS,
     "RF_EMBED_THREADS": EMBED_THREADS,
     "RF_ROPE_THREADS": ROPE_THREADS,
-    "RF_ATTN_PIECE": ATTN_PIECE,
-    "RF_ATTN_SEGMENT": ATTN_SEGMENT_PIECES,
-    "RF_ATTN_PREFILL_LANES": ATTN_PREFILL_LANES,
+    "RF_ATTN_TILE": ATTN_TILE,
+    "RF_ATTN_WARPS": ATTN_WARPS,
+    "RF_ATTN_PREFILL_ROWS": ATTN_PREFILL_ROWS,
     "RF_ATTN_MAX_GROUP": ATTN_MAX_GROUP,
     "RF_ATTN_MAX_D": ATTN_MAX_HEAD_DIM,
     "RF_ARGMAX_THREADS": ARGMAX_THREADS,

@@ -15,7 +15,7 @@ import numpy as np
 
 from rocforge_rt.backends.gpu.kernel_constants import (
     ARGMAX_PART_BYTES,
-    ATTN_SEGMENT,
+    ATTN_TILE,
     GEMV_MAX_ROWS,
     QK,
     ROW_STATS_BYTES,
@@ -127,12 +127,13 @@ class Workspace:
             self.w16 = self.zeros(max(layer_matrices) * f16)
             self.gate_up16 = self.zeros(max_tokens * 2 * hp.n_ff * f16)
             self.blas_scratch = self.zeros(VENDOR_WORKSPACE_BYTES)
-        # Decode attention's per-segment states, for the tokens of a decode step (one per
-        # session, or a short prompt chunk); counters start at zero and the kernel resets them.
-        self.attn_segments = math.ceil(n_ctx / ATTN_SEGMENT)
+        # Decode attention's per-tile parts (acc[d], m, l, 2 unused), for the tokens of a
+        # decode step (one per session, or a short prompt chunk); counters start at zero and
+        # the kernel resets them.
+        self.attn_tiles = math.ceil(n_ctx / ATTN_TILE)
         self.attn_decode_rows = min(max_tokens, max(n_slots, GEMV_MAX_ROWS))
         self.attn_partial = self.zeros(
-            self.attn_decode_rows * hp.n_head * self.attn_segments * (hp.head_dim_v + 2) * f32
+            self.attn_decode_rows * hp.n_head * self.attn_tiles * (hp.head_dim_v + 4) * f32
         )
         self.attn_counters = self.zeros(self.attn_decode_rows * hp.n_head_kv * 4)
         # Argmax slices per row, their partial results and counters (zero; the kernel resets).
