@@ -259,8 +259,12 @@ def test_gpu_follows_the_cpu_q8_mode_teacher_forced_over_128_positions(engines, 
     assert np.mean(np.abs(got - ref)) < 0.25
 
 
-def test_gpu_greedy_decode_equals_its_own_teacher_forced_logits(engines, reference):
-    _, gpu = engines
+def test_batch_invariant_greedy_decode_equals_its_own_teacher_forced_logits(
+    default_model, reference
+):
+    """Batch invariant, decoding (the GEMV) and teacher forcing (the int8 GEMM) give the same
+    logits, so the same greedy tokens; the vendor GEMM's fp16 rounding may flip near-ties."""
+    gpu = Engine.load(default_model, backend="cuda", n_ctx=512, batch_invariant=True)
     session = gpu.open_session(reference["cases"][2]["ids"], max_tokens=12)
     tokens = [gpu.prefill(session).token]
     while not session.finished:
