@@ -6,8 +6,9 @@
 //   rf_dequant_f16_<fmt>  repacked weights (see gemv.hip: quants [n, k * bits / 8], f16
 //                         scales [n, k / 32] apart) of rows [0, n) -> fp16 [n, k], each
 //                         element d * q exactly as the CPU backend dequantizes it, rounded
-//                         once to fp16. Launch: grid (ceil(n * k / 32 / RF_F16_THREADS)),
-//                         block RF_F16_THREADS; one thread per 32-element block.
+//                         once to fp16. Launch: grid (ceil(n * k / RF_DEQUANT_PART /
+//                         RF_F16_THREADS)), block RF_F16_THREADS; one thread per
+//                         RF_DEQUANT_PART elements.
 //   rf_rows_f16           activation rows fp32 [rows, k], RMS-normalized with a gain when
 //                         given one (rf_q8.h's normalization, the same bits as the int8
 //                         path's), -> fp16 [rows, k]. Launch: grid (rows), block
@@ -18,55 +19,66 @@
 #include "rf_portability.h"
 #include "rf_q8.h"
 
-// RF_F16_THREADS (threads per block of the element-wise kernels) is from rf_constants.h.
+// RF_F16_THREADS (threads per block of the element-wise kernels) and RF_DEQUANT_PART
+// (elements one dequantizing thread writes) are from rf_constants.h.
 
 struct alignas(16) rf_f16_u32x4 {
     uint32_t v[4];
 };
 
+struct alignas(8) rf_f16_u32x2 {
+    uint32_t v[2];
+};
+
+// Where the quants of elements 8p .. 8p + 7 of a block start (8 bytes), and element
+// 8p + i of them.
 struct rf_dequant_q4_0 {
     static constexpr int quant_bytes = RF_QK / 2;
-    // Element j of a block: byte j's low nibble (j < 16) or byte j - 16's high nibble.
-    static __device__ __forceinline__ int value(const uint8_t* q, int j) {
-        return j < RF_QK / 2 ? (q[j] & 0x0F) - 8 : (q[j - RF_QK / 2] >> 4) - 8;
+    // Element j < 16: byte j's low nibble; j >= 16: byte j - 16's high nibble.
+    static __device__ __forceinline__ int offset(int p) {
+        return 8 * (p % 2);
+    }
+    static __device__ __forceinline__ int value(const uint8_t* q, int p, int i) {
+        return p < 2 ? (q[i] & 0x0F) - 8 : (q[i] >> 4) - 8;
     }
 };
 
 struct rf_dequant_q8_0 {
     static constexpr int quant_bytes = RF_QK;
-    static __device__ __forceinline__ int value(const uint8_t* q, int j) {
-        return (int)(int8_t)q[j];
+    static __device__ __forceinline__ int offset(int p) {
+        return 8 * p;
+    }
+    static __device__ __forceinline__ int value(const uint8_t* q, int, int i) {
+        return (int)(int8_t)q[i];
     }
 };
 
+// One thread per RF_DEQUANT_PART (8) elements: the threads of a block write its 64 bytes
+// side by side, so a warp stores 512 contiguous bytes at once.
 template <typename Fmt>
 RF_DEVICE_INLINE void rf_dequant_f16(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d,
                                      int n, int k, uint16_t* RF_RESTRICT out) {
+    static_assert(RF_DEQUANT_PART == 8, "a part is one 8-byte load and one 16-byte store");
+    constexpr int parts = RF_QK / RF_DEQUANT_PART;
     rf_pdl_begin();  // w16 may still be read by the previous GEMM
-    const int64_t block = (int64_t)blockIdx.x * RF_F16_THREADS + threadIdx.x;
-    const int64_t n_blocks = (int64_t)n * (k / RF_QK);
-    if (block >= n_blocks) {
+    const int64_t part = (int64_t)blockIdx.x * RF_F16_THREADS + threadIdx.x;
+    const int64_t block = part / parts;
+    const int p = (int)(part % parts);
+    if (block >= (int64_t)n * (k / RF_QK)) {
         return;
     }
-    // 16-byte loads and stores (quants rows are 16-byte aligned, fp16 blocks 64 bytes).
-    rf_f16_u32x4 q[Fmt::quant_bytes / 16];
-#pragma unroll
-    for (int i = 0; i < Fmt::quant_bytes / 16; ++i) {
-        q[i] = ((const rf_f16_u32x4*)(qs + block * Fmt::quant_bytes))[i];
-    }
-    const uint8_t* bytes = (const uint8_t*)q;
+    const rf_f16_u32x2 raw =
+        *(const rf_f16_u32x2*)(qs + block * Fmt::quant_bytes + Fmt::offset(p));
+    const uint8_t* bytes = (const uint8_t*)&raw;
     const float scale = rf_half_to_float(d[block]);
-    rf_f16_u32x4 packed[RF_QK / 8];
+    rf_f16_u32x4 packed;
 #pragma unroll
-    for (int j = 0; j < RF_QK; j += 2) {
-        const uint32_t lo = rf_float_to_half(scale * (float)Fmt::value(bytes, j));
-        const uint32_t hi = rf_float_to_half(scale * (float)Fmt::value(bytes, j + 1));
-        packed[j / 8].v[(j / 2) % 4] = lo | (hi << 16);
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = rf_float_to_half(scale * (float)Fmt::value(bytes, p, 2 * i));
+        const uint32_t hi = rf_float_to_half(scale * (float)Fmt::value(bytes, p, 2 * i + 1));
+        packed.v[i] = lo | (hi << 16);
     }
-#pragma unroll
-    for (int i = 0; i < RF_QK / 8; ++i) {
-        ((rf_f16_u32x4*)(out + block * RF_QK))[i] = packed[i];
-    }
+    ((rf_f16_u32x4*)(out + block * RF_QK))[p] = packed;
 }
 
 RF_KERNEL_BOUNDS(RF_F16_THREADS)

@@ -14,7 +14,8 @@
 //   RF_GEMV_MAX_ROWS       activation rows one GEMV launch takes
 //   RF_GEMM_THREADS, RF_GEMM_TILE_N, RF_GEMM_TILE_M   the prefill GEMM's block and tile
 //   RF_EMBED_THREADS, RF_ROPE_THREADS                 block sizes
-//   RF_F16_THREADS         block size of the vendor GEMM's element-wise kernels (gemm_f16.hip)
+//   RF_F16_THREADS, RF_DEQUANT_PART   the vendor GEMM's element-wise kernels: block size,
+//                          elements one expanding thread writes (gemm_f16.hip)
 //   RF_ATTN_TILE, RF_ATTN_WARPS, RF_ATTN_PREFILL_ROWS, RF_ATTN_MAX_GROUP, RF_ATTN_MAX_D
 //                          attention's key tile, block, work split and limits (attention.hip)
 //   RF_ARGMAX_THREADS, RF_SAMPLE_THREADS, RF_SAMPLE_SLICE, RF_SAMPLE_CANDIDATES,
@@ -29,7 +30,7 @@
     !defined(RF_EPILOGUE_RESIDUAL) || !defined(RF_EPILOGUE_SWIGLU) ||                       \
     !defined(RF_GEMV_MAX_ROWS) || !defined(RF_GEMM_THREADS) || !defined(RF_GEMM_TILE_N) ||  \
     !defined(RF_GEMM_TILE_M) || !defined(RF_EMBED_THREADS) || !defined(RF_ROPE_THREADS) ||  \
-    !defined(RF_F16_THREADS) ||                                                             \
+    !defined(RF_F16_THREADS) || !defined(RF_DEQUANT_PART) ||                                \
     !defined(RF_ATTN_TILE) || !defined(RF_ATTN_WARPS) || !defined(RF_ATTN_PREFILL_ROWS) ||     \
     !defined(RF_ATTN_MAX_GROUP) || !defined(RF_ATTN_MAX_D) || !defined(RF_ARGMAX_THREADS) ||  \
     !defined(RF_SAMPLE_THREADS) || !defined(RF_SAMPLE_SLICE) ||                             \

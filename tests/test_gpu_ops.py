@@ -71,11 +71,12 @@ def test_gemv_residual_and_swiglu_epilogues_match_the_cpu(gpu, rows):
 
 @pytest.mark.parametrize(
     ("head_dim", "n_head", "n_kv", "context"),
-    [(64, 9, 3, 1), (64, 9, 3, 255), (128, 32, 8, 4096), (128, 16, 4, 255), (64, 12, 4, 4096)],
-)
+    [(64, 9, 3, 1), (64, 9, 3, 255), (128, 32, 8, 4096), (128, 16, 4, 255), (64, 12, 4, 4096),
+     (64, 32, 8, 8192), (128, 32, 4, 8192)],
+)  # fmt: skip
 def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, context):
     hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
-    n_ctx = 4096
+    n_ctx = 8192
     gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=4)
     cpu = CpuBackend(hp, 2, n_ctx)
     rng = np.random.default_rng(context + head_dim)
@@ -95,12 +96,12 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
 
 
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])
-@pytest.mark.parametrize("start", [0, 2963])
+@pytest.mark.parametrize("start", [0, 2963, 8147])  # 8147: the chunk ends at position 8191
 def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_head, n_kv, start):
     """A chunk's tokens through the prefill kernel (shared K/V tiles) give the bits the
     decode kernel (splits across blocks) gives each of them, and follow the CPU."""
     hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
-    n_ctx, n = 4096, 45
+    n_ctx, n = 8192, 45
     gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=64)
     cpu = CpuBackend(hp, 2, n_ctx)
     rng = np.random.default_rng(start + head_dim + n_head)

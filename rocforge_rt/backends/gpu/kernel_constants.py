@@ -28,6 +28,7 @@ GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes; more take the prefil
 Q8_ROWS_THREADS = Q8_NORM_THREADS  # rf_quantize_q8_rows, the GEMM's prologue
 GEMM_THREADS, GEMM_TILE_N, GEMM_TILE_M = 128, 128, 64  # SwiGLU tiles hold TILE_N / 2 outputs
 F16_THREADS = 256  # kernels/gemm_f16.hip: the vendor GEMM's operand and epilogue kernels
+DEQUANT_PART = 8  # fp16 elements one rf_dequant_f16 thread writes (a 16-byte store)
 
 EMBED_THREADS = 256  # kernels/embedding.hip
 ROPE_THREADS = 256  # kernels/rope_kv.hip
@@ -67,6 +68,7 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_GEMM_TILE_N": GEMM_TILE_N,
     "RF_GEMM_TILE_M": GEMM_TILE_M,
     "RF_F16_THREADS": F16_THREADS,
+    "RF_DEQUANT_PART": DEQUANT_PART,
     "RF_EMBED_THREADS": EMBED_THREADS,
     "RF_ROPE_THREADS": ROPE_THREADS,
     "RF_ATTN_TILE": ATTN_TILE,

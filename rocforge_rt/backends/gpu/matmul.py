@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from rocforge_rt.backends.gpu.kernel_constants import (
+    DEQUANT_PART,
     EPILOGUE_RESIDUAL,
     EPILOGUE_STORE,
     EPILOGUE_SWIGLU,
@@ -346,11 +347,10 @@ class Matmul:
         slab = ws.w16.nbytes // (2 * k)
         for first in range(0, matrix.n, slab):
             n = min(slab, matrix.n - first)
-            blocks = n * k // QK
             self._launch(
                 ("dequant_f16", matrix.qs.ptr, first),
                 f"rf_dequant_f16_{matrix.fmt}",
-                (math.ceil(blocks / F16_THREADS), 1, 1),
+                (math.ceil(n * k // DEQUANT_PART / F16_THREADS), 1, 1),
                 (F16_THREADS, 1, 1),
                 (
                     matrix.qs.ptr + first * matrix.row_quant_bytes,
