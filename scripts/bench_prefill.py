@@ -6,7 +6,9 @@ chunks, up to and including the first sampled token (workloads.prompt_tokens_per
 llama-bench's pp), as TTFT ms and tokens/s, each the median of --repeats runs after a
 warm-up at L. With --llamacpp PATH-TO-llama-bench, llama-bench (-p L -n 0 -fa 1) runs on
 the same GGUF in the same run, interleaved: each round times ours at L, then one
-llama-bench repetition at L (after its own warm-up), so drift hits both sides alike. Its
+llama-bench process at L (its warm-up, then --llamacpp-reps repetitions, 3 by default,
+whose median is the round's figure: on an H100 a single repetition in a fresh process ran
+1.5-2.4x slower at 512 tokens than warm ones), so drift hits both sides alike. Its
 -ngl follows --backend (99 on a GPU, 0 on the CPU); --llamacpp-args adds arguments. ratio =
 our tokens/s / llama.cpp's (its pp times the prompt's forward passes; ours also samples the
 first token). On a GPU, also one prefill at each L broken into forward ops timed with
@@ -109,11 +111,13 @@ def summary(ttft_ms: list[float], tokens_per_s: list[float]) -> dict[str, Any]:
     }
 
 
-def llama_bench_samples(
+def llama_bench_round(
     path: str, n_prompt: int, args: argparse.Namespace, n_gpu_layers: int
-) -> tuple[list[tuple[float, float]], Any]:
-    """(TTFT ms, tokens/s) of each repetition of one llama-bench pp test, and the run."""
-    run = llama_bench(args.llamacpp, path, n_prompt=n_prompt, n_gen=0, repetitions=1,
+) -> tuple[tuple[float, float], Any]:
+    """(TTFT ms, tokens/s) of one llama-bench pp test, the median of its --llamacpp-reps
+    repetitions (in one process, as ours run in one warm process), and the run."""
+    run = llama_bench(args.llamacpp, path, n_prompt=n_prompt, n_gen=0,
+                      repetitions=args.llamacpp_reps,
                       n_gpu_layers=n_gpu_layers, extra_args=args.llamacpp_args)  # fmt: skip
     rows = [r for r in run.rows if r.get("n_prompt") == n_prompt and not r.get("n_gen")]
     if len(rows) != 1:
@@ -122,8 +126,8 @@ def llama_bench_samples(
             f" (do --llamacpp-args ask for more than one test?): {shlex.join(run.command)}"
         )
     (row,) = rows
-    times_ns = row.get("samples_ns") or [row["avg_ns"]]
-    return [(ns / 1e6, n_prompt * 1e9 / ns) for ns in map(float, times_ns)], run
+    ns = statistics.median(map(float, row.get("samples_ns") or [row["avg_ns"]]))
+    return (ns / 1e6, n_prompt * 1e9 / ns), run
 
 
 def bench_length(
@@ -146,8 +150,8 @@ def bench_length(
             finally:
                 engine.backend.batch_invariant = False
         if args.llamacpp:
-            samples, run = llama_bench_samples(path, n_prompt, args, peer["n_gpu_layers"])
-            theirs += samples
+            sample, run = llama_bench_round(path, n_prompt, args, peer["n_gpu_layers"])
+            theirs.append(sample)
             point["llamacpp_command"] = shlex.join(run.command)
             peer.setdefault("build", run.build())
     point["ours"] = summary([n_prompt / tps * 1e3 for tps in ours], ours)
@@ -313,14 +317,20 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
     parser.add_argument(
+        "--llamacpp-reps",
+        type=int,
+        default=3,
+        help="llama-bench repetitions per round (one process; the round takes their median)",
+    )
+    parser.add_argument(
         "--llamacpp-args", default="", help="more llama-bench arguments: --llamacpp-args='-t 16'"
     )
     parser.add_argument("--out", default="bench-results/prefill.json", help="JSON (PNG beside)")
     args = parser.parse_args()
     if args.n_prompt is not None:
         args.lengths = args.n_prompt
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+    if args.repeats < 1 or args.llamacpp_reps < 1:
+        parser.error("--repeats and --llamacpp-reps must be >= 1")
     args.llamacpp_args = shlex.split(args.llamacpp_args)
     if args.llamacpp and shutil.which(args.llamacpp) is None:
         parser.error(f"llama-bench {args.llamacpp!r} is not an executable file")

@@ -95,16 +95,17 @@ def test_prefill_bench_times_both_sides_at_every_length_and_writes_json_a_table_
         assert ours["ttft_ms_runs"] == pytest.approx(
             [n / s * 1e3 for s in ours["tokens_per_s_runs"]]
         )
-        # one repetition per llama-bench call: 10 us a token, from samples_ns
-        assert theirs["ttft_ms_runs"] == pytest.approx([n * 0.01, n * 0.01])
-        assert theirs["tokens_per_s"] == pytest.approx(1e5)
+        # a round's figure: the median of its call's 3 repetitions (10, 10.1, 10.201 us a
+        # token in the fake's samples_ns)
+        assert theirs["ttft_ms_runs"] == pytest.approx([n * 0.0101, n * 0.0101])
+        assert theirs["tokens_per_s"] == pytest.approx(1e5 / 1.01)
         assert point["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
-        assert f"-p {n} -n 0 -ngl 0 -fa 1 -r 1 -o json" in point["llamacpp_command"]
+        assert f"-p {n} -n 0 -ngl 0 -fa 1 -r 3 -o json" in point["llamacpp_command"]
         assert "batch_invariant" not in point  # the CPU backend is batch invariant already
 
-    # one llama-bench call of one repetition per round
+    # one llama-bench call of 3 repetitions per round
     assert [(c["-p"], c["-n"], c["-r"]) for c in calls_of(fake_llama_bench)] == [
-        ("8", "0", "1"), ("8", "0", "1"), ("16", "0", "1"), ("16", "0", "1"),
+        ("8", "0", "3"), ("8", "0", "3"), ("16", "0", "3"), ("16", "0", "3"),
     ]  # fmt: skip
 
     assert "| length | ours tok/s | llama.cpp tok/s | ratio | our TTFT ms | their TTFT ms |" in (
