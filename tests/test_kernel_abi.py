@@ -240,6 +240,7 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
     with FakeDriver(signatures()) as driver:
         gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16)
         assert not gpu.batch_invariant
+        gpu.matmul.vendor_min_flop = 0  # this small model's matmuls too
         model = random_model(gpu, hp, np.random.default_rng(1))
         batch = StepBatch.prefill(list(range(12)), 0, 0, "all")
         gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
@@ -263,6 +264,24 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
     assert offsets == [0, slab * 4, 2 * slab * 4] and {c["out_pitch"] for c in head} == {8192}
     assert {"rf_rows_f16", "rf_dequant_f16_q4_0", "rf_swiglu_f16"} <= kernels
     assert not kernels & {"rf_quantize_q8_rows", "rf_gemm_q4_0"}
+
+
+def test_matmuls_below_vendor_min_flop_take_the_int8_gemm(monkeypatch: pytest.MonkeyPatch):
+    """Not batch invariant, a matmul takes the vendor GEMM from VENDOR_MIN_FLOP on; smaller
+    ones (here: 12 rows x the LM head of 8192 x 576 = 0.11 GFLOP) the int8 GEMM."""
+    blas = RecordingGemm()
+    monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
+    hp = hparams(n_vocab=8192)
+    with FakeDriver(signatures()) as driver:
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16)
+        model = random_model(gpu, hp, np.random.default_rng(1))
+        batch = StepBatch.prefill(list(range(12)), 0, 0, "all")
+        gpu.matmul.vendor_min_flop = 2 * 12 * 8192 * 576  # the LM head's, the biggest
+        gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
+        kernels = [kernel for _, kernel, _ in driver.log]
+    assert {c["out_pitch"] for c in blas.calls} == {8192}  # the LM head alone (in slabs)
+    assert sum(c["n"] for c in blas.calls) == 8192
+    assert kernels.count("rf_gemm_q4_0") == 4  # Q|K|V, O, gate|up, down
 
 
 def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:

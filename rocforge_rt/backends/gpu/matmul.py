@@ -2,10 +2,12 @@
 
 kernels/gemv.hip takes up to GEMV_MAX_ROWS activation rows (decode, short chunks).
 More rows take one of two GEMMs:
-- the vendor GEMM (the default): the matrix, or a slab of its rows, expanded to fp16
-  and multiplied by cuBLAS / hipBLAS (vendor_blas.py) with fp32 accumulation
-  (kernels/gemm_f16.hip holds the operand and SwiGLU kernels). Measured on an H100 it
-  is faster than the int8 GEMM from 16 rows on (1.3-2x; README.md, "Measured");
+- the vendor GEMM (the default for matmuls of VENDOR_MIN_FLOP or more): the matrix, or a
+  slab of its rows, expanded to fp16 and multiplied by cuBLAS / hipBLAS (vendor_blas.py)
+  with fp32 accumulation (kernels/gemm_f16.hip holds the operand and SwiGLU kernels).
+  Measured on an H100 it is 1.3-2x faster than the int8 GEMM on the 1B and 8B shapes
+  from 16 rows on; smaller matmuls are bound by the host's launches, of which it takes
+  more (README.md, "Measured");
 - the int8 GEMM (kernels/gemm.hip), whose arithmetic is the GEMV's, so a row's outputs
   do not depend on the rows beside it: with `batch_invariant` every row count takes it.
 All RMS-normalize their rows with a gain when given one and end in an epilogue (store,
@@ -61,6 +63,12 @@ GEMV_ROWS_PER_WARP = {
 GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
 GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
+
+# Multiply-adds x 2 from which a matmul takes the vendor GEMM when not batch invariant
+# (below, the int8 GEMM's two launches cost the host less than the vendor path's three
+# or four): measured on an H100, SmolLM2's 512-row chunks (0.3-1.8 GFLOP a matmul) ran
+# faster on the int8 GEMM, its 2048-row chunks and every 1B/8B chunk on the vendor GEMM.
+VENDOR_MIN_FLOP = 1e9
 
 _BLOCK_LAYOUT = {
     # type: (bytes per GGUF block, bytes of quants per block, format name)
@@ -135,6 +143,7 @@ class Matmul:
         self.n_ctx = n_ctx
         self.max_tokens = max_tokens
         self.vendor_gemm = vendor_gemm
+        self.vendor_min_flop = VENDOR_MIN_FLOP
         self.use_prefill_gemm = True
         self.batch_invariant = vendor_gemm is None
 
@@ -174,7 +183,10 @@ class Matmul:
     ) -> None:
         """out = W x: the GEMV for up to GEMV_MAX_ROWS rows, a GEMM for prompt chunks."""
         if x.rows >= self.gemm_min_rows:
-            gemm = self.gemm if self._batch_invariant else self.vendor
+            vendor = not self._batch_invariant and (
+                2 * x.rows * matrix.n * matrix.k >= self.vendor_min_flop
+            )
+            gemm = self.vendor if vendor else self.gemm
             gemm(matrix, x, n_out, out_ptr, gain, epilogue, residual_ptr)
         else:
             self.gemv(matrix, x, n_out, out_ptr, gain=gain, epilogue=epilogue,
