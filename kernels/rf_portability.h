@@ -329,6 +329,35 @@ RF_DEVICE_INLINE float rf_load_half(const uint8_t* p) {
     return rf_half_to_float(*(const uint16_t*)p);
 }
 
+#if !RF_HAS_MMA_S8 || !RF_HAS_MMA_F16
+// The emulation both mma forms share: their fragments hold the same (row, k-register)
+// layout, 4 int8 or 2 fp16 consecutive k a 32-bit register; `dot(a, b, c)` adds one
+// register pair's products to c (exactly, in a fixed order).
+template <typename C, typename Dot>
+RF_DEVICE_INLINE void rf_mma_emulated(C c[4], const uint32_t a[4], const uint32_t b[2], Dot dot) {
+    const int lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int row_lane = 4 * g + s;         // holds k register s of rows g and g + 8
+        const int col0_lane = 4 * (2 * t) + s;  // k register s of column 2t
+        const int col1_lane = col0_lane + 4;    // ... of column 2t + 1
+        const uint32_t a0 = (uint32_t)rf_shfl((int)a[0], row_lane, 32);
+        const uint32_t a1 = (uint32_t)rf_shfl((int)a[1], row_lane, 32);
+        const uint32_t a2 = (uint32_t)rf_shfl((int)a[2], row_lane, 32);
+        const uint32_t a3 = (uint32_t)rf_shfl((int)a[3], row_lane, 32);
+        const uint32_t b00 = (uint32_t)rf_shfl((int)b[0], col0_lane, 32);
+        const uint32_t b01 = (uint32_t)rf_shfl((int)b[1], col0_lane, 32);
+        const uint32_t b10 = (uint32_t)rf_shfl((int)b[0], col1_lane, 32);
+        const uint32_t b11 = (uint32_t)rf_shfl((int)b[1], col1_lane, 32);
+        c[0] = dot(a2, b01, dot(a0, b00, c[0]));
+        c[1] = dot(a2, b11, dot(a0, b10, c[1]));
+        c[2] = dot(a3, b01, dot(a1, b00, c[2]));
+        c[3] = dot(a3, b11, dot(a1, b10, c[3]));
+    }
+}
+#endif
+
 // rf_mma_s8_m16n8k32(c, a, b): c[4] += A * B for a 16x32 int8 A and a 32x8 int8 B
 // held by the 32 lanes of an aligned lane group (threadIdx.x / 32; a CUDA warp,
 // half a CDNA wavefront), int32 C 16x8, in the layout of PTX mma.m16n8k32.s8.
@@ -338,23 +367,13 @@ RF_DEVICE_INLINE float rf_load_half(const uint8_t* p) {
 //   c[0] = C[g][2t],  c[1] = C[g][2t+1],  c[2] = C[g+8][2t],  c[3] = C[g+8][2t+1]
 // Every lane of the group must call it together (1-D blocks, multiple of 32).
 #if !RF_HAS_MMA_S8
-RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const uint32_t b[2]) {
-    const int lane = (int)(threadIdx.x & 31u);
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        const int row_lane = 4 * g + s;        // holds k chunk s of rows g and g + 8
-        const int col0_lane = 4 * (2 * t) + s;  // k chunk s of column 2t
-        const int col1_lane = col0_lane + 4;    // ... of column 2t + 1
-        const int a0 = rf_shfl((int)a[0], row_lane, 32), a1 = rf_shfl((int)a[1], row_lane, 32);
-        const int a2 = rf_shfl((int)a[2], row_lane, 32), a3 = rf_shfl((int)a[3], row_lane, 32);
-        const int b00 = rf_shfl((int)b[0], col0_lane, 32), b01 = rf_shfl((int)b[1], col0_lane, 32);
-        const int b10 = rf_shfl((int)b[0], col1_lane, 32), b11 = rf_shfl((int)b[1], col1_lane, 32);
-        c[0] = rf_dp4a(a2, b01, rf_dp4a(a0, b00, c[0]));
-        c[1] = rf_dp4a(a2, b11, rf_dp4a(a0, b10, c[1]));
-        c[2] = rf_dp4a(a3, b01, rf_dp4a(a1, b00, c[2]));
-        c[3] = rf_dp4a(a3, b11, rf_dp4a(a1, b10, c[3]));
+struct rf_dot4_s8 {
+    __device__ int operator()(uint32_t a, uint32_t b, int c) const {
+        return rf_dp4a((int)a, (int)b, c);
     }
+};
+RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+    rf_mma_emulated(c, a, b, rf_dot4_s8());
 }
 #endif
 
@@ -370,31 +389,15 @@ RF_DEVICE_INLINE void rf_mma_s8_m16n8k32(int c[4], const uint32_t a[4], const ui
 // must call it together (1-D blocks, multiple of 32). The AMD emulation sums each
 // element's 16 exact products in a fixed order, in fp32.
 #if !RF_HAS_MMA_F16
-RF_DEVICE_INLINE float rf_dot2_f16(uint32_t a, uint32_t b, float c) {
-    c = fmaf(rf_half_to_float((uint16_t)a), rf_half_to_float((uint16_t)b), c);
-    return fmaf(rf_half_to_float((uint16_t)(a >> 16)), rf_half_to_float((uint16_t)(b >> 16)), c);
-}
-RF_DEVICE_INLINE void rf_mma_f16_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-    const int lane = (int)(threadIdx.x & 31u);
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        const int row_lane = 4 * g + s;         // holds k 2s, 2s+1, 8+2s, 9+2s of rows g, g+8
-        const int col0_lane = 4 * (2 * t) + s;  // the same k of column 2t
-        const int col1_lane = col0_lane + 4;    // ... of column 2t + 1
-        const uint32_t a0 = (uint32_t)rf_shfl((int)a[0], row_lane, 32);
-        const uint32_t a1 = (uint32_t)rf_shfl((int)a[1], row_lane, 32);
-        const uint32_t a2 = (uint32_t)rf_shfl((int)a[2], row_lane, 32);
-        const uint32_t a3 = (uint32_t)rf_shfl((int)a[3], row_lane, 32);
-        const uint32_t b00 = (uint32_t)rf_shfl((int)b[0], col0_lane, 32);
-        const uint32_t b01 = (uint32_t)rf_shfl((int)b[1], col0_lane, 32);
-        const uint32_t b10 = (uint32_t)rf_shfl((int)b[0], col1_lane, 32);
-        const uint32_t b11 = (uint32_t)rf_shfl((int)b[1], col1_lane, 32);
-        c[0] = rf_dot2_f16(a2, b01, rf_dot2_f16(a0, b00, c[0]));
-        c[1] = rf_dot2_f16(a2, b11, rf_dot2_f16(a0, b10, c[1]));
-        c[2] = rf_dot2_f16(a3, b01, rf_dot2_f16(a1, b00, c[2]));
-        c[3] = rf_dot2_f16(a3, b11, rf_dot2_f16(a1, b10, c[3]));
+struct rf_dot2_f16 {
+    __device__ float operator()(uint32_t a, uint32_t b, float c) const {
+        c = fmaf(rf_half_to_float((uint16_t)a), rf_half_to_float((uint16_t)b), c);
+        return fmaf(rf_half_to_float((uint16_t)(a >> 16)), rf_half_to_float((uint16_t)(b >> 16)),
+                    c);
     }
+};
+RF_DEVICE_INLINE void rf_mma_f16_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    rf_mma_emulated(c, a, b, rf_dot2_f16());
 }
 #endif
 
