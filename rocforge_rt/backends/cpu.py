@@ -209,6 +209,8 @@ def rowwise_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
 class CpuBackend:
     """Weight uploader and forward ops over numpy arrays; owns the KV pool storage."""
 
+    ragged_steps = True  # a step may mix sequences' decode rows and prompt chunks
+
     name = "cpu"
 
     def __init__(self, hparams: HParams, n_slots: int, n_ctx: int, activations: str = "q8") -> None:

@@ -8,6 +8,7 @@ open a session, and hands it to `open_session`.
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.errors import EngineError, EngineErrorCode, LoadCancelled
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
-from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.batch import SequencePart, StepBatch
 from rocforge_rt.step.forward import ForwardOps, StepOutput, forward, upload_weights
 from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
 
@@ -36,6 +37,14 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 def _stop_point(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise LoadCancelled("loading stopped: asked to stop")
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What one scheduler step (`Engine.step`) produced."""
+
+    decoded: list[TokenEvent]  # one per decoding session, in order
+    prefilled: list[TokenEvent | None]  # per prompt chunk: the first token once its prompt ends
 
 
 class Engine:
@@ -257,16 +266,61 @@ class Engine:
 
     def decode(self, sessions: Sequence[Session]) -> list[TokenEvent]:
         """One batched decode step: each session feeds its one pending token."""
-        for s in sessions:
-            if s.finished or len(s.pending) != 1:
-                raise EngineError(
-                    EngineErrorCode.NOT_DECODABLE, f"session {s.session_id} is not ready to decode"
-                )
+        self._check_decodable(sessions)
         positions = [s.n_past for s in sessions]
         tokens = [s.take_pending(1)[0] for s in sessions]
         slots = [s.slot for s in sessions]
         return self._sample(
             sessions, StepBatch.decode(tokens, positions, slots, self._sampling(sessions))
+        )
+
+    @staticmethod
+    def _check_decodable(sessions: Sequence[Session]) -> None:
+        for s in sessions:
+            if s.finished or len(s.pending) != 1:
+                raise EngineError(
+                    EngineErrorCode.NOT_DECODABLE, f"session {s.session_id} is not ready to decode"
+                )
+
+    def step(
+        self, decode: Sequence[Session], prefill: Sequence[tuple[Session, int]] = ()
+    ) -> StepEvents:
+        """One scheduler step (unified scheduling): the next token of every session in
+        `decode` and a chunk of n prompt tokens of every (session, n) in `prefill`; a
+        session whose prompt its chunk finishes samples its first token.
+
+        On a backend with ragged steps (`backend.ragged_steps`) it is one forward pass;
+        otherwise each prompt chunk takes a pass of its own, then the decode rows one.
+        """
+        self._check_decodable(decode)
+        if not decode and not prefill:
+            return StepEvents([], [])
+        seen = {s.session_id for s in decode}
+        for session, n in prefill:
+            if session.session_id in seen or not 1 <= n <= len(session.pending):
+                raise EngineError(
+                    EngineErrorCode.INVALID_ARGUMENT,
+                    f"session {session.session_id}: {n} prompt tokens of"
+                    f" {len(session.pending)} pending, or the session twice in one step",
+                )
+            seen.add(session.session_id)
+        parts: list[tuple[Session, SequencePart]] = []
+        for session, n in (*prefill, *((s, 1) for s in decode)):
+            start = session.n_past
+            tokens = session.take_pending(n)
+            parts.append((session, SequencePart(tokens, start, session.slot, not session.pending)))
+        if getattr(self.backend, "ragged_steps", False):
+            passes = [parts]
+        else:
+            passes = [[part] for part in parts[: len(prefill)]] + [parts[len(prefill) :]]
+        events: dict[int, TokenEvent] = {}
+        for group in filter(None, passes):
+            sampled = [s for s, part in group if part.wants_logits]
+            batch = StepBatch.ragged([part for _, part in group], self._sampling(sampled))
+            events.update(zip(map(id, sampled), self._sample(sampled, batch), strict=True))
+        return StepEvents(
+            decoded=[events[id(s)] for s in decode],
+            prefilled=[events.get(id(s)) for s, _ in prefill],
         )
 
     def logits(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:

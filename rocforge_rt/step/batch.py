@@ -1,11 +1,22 @@
 """The per-step values of one forward pass (the step state)."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from rocforge_rt.step.sampling import RowSampling
+
+
+@dataclass(frozen=True)
+class SequencePart:
+    """Consecutive tokens of one sequence from position `start`, for a ragged step."""
+
+    tokens: Sequence[int]
+    start: int
+    slot: int
+    wants_logits: bool  # its last token's logits (to sample the sequence's next token)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,38 @@ class StepBatch:
             slots=np.asarray(slots, dtype=np.int32),
             logit_rows=np.arange(n, dtype=np.int32),
             sampling=sampling or RowSampling.greedy(n),
+        )
+
+    @classmethod
+    def ragged(
+        cls, parts: Sequence[SequencePart], sampling: RowSampling | None = None
+    ) -> "StepBatch":
+        """Several sequences' tokens in one forward pass (unified scheduling): decode rows
+        and prompt chunks side by side.
+
+        Rows are laid out so that the logits rows come last and together: each part's
+        tokens in order, except that the last token of a part that wants logits moves to
+        the tail, parts in the given order there. A moved token still sees its part's
+        others, whose K/V every layer appends before its attention runs. `sampling` has
+        one row per part that wants logits, in order (default: greedy).
+        """
+        body: list[tuple[int, int, int]] = []  # (token, position, slot)
+        tail: list[tuple[int, int, int]] = []
+        for part in parts:
+            rows = [(t, part.start + i, part.slot) for i, t in enumerate(part.tokens)]
+            if part.wants_logits:
+                body += rows[:-1]
+                tail.append(rows[-1])
+            else:
+                body += rows
+        rows = np.array(body + tail, dtype=np.int32).reshape(-1, 3)
+        n, n_tail = len(rows), len(tail)
+        return cls(
+            tokens=np.ascontiguousarray(rows[:, 0]),
+            positions=np.ascontiguousarray(rows[:, 1]),
+            slots=np.ascontiguousarray(rows[:, 2]),
+            logit_rows=np.arange(n - n_tail, n, dtype=np.int32),
+            sampling=sampling or RowSampling.greedy(n_tail),
         )
 
     @property

@@ -43,6 +43,9 @@ class GpuBackend:
     in between: `embed`, `attention` and `sample`.
     """
 
+    # A step of several sequences' prompt chunks and decode rows takes one pass per chunk
+    # (Engine.step): the attention launches for a ragged step are not written yet.
+    ragged_steps = False
     embed: Embedding  # (table, batch) -> Activation
     attention: Attention  # (q, layer, batch) -> Activation
     sample: Sampling  # (logits, sampling, first_row): each row's token into the step state

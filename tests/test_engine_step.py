@@ -1,0 +1,105 @@
+"""One scheduler step for everything (Engine.step): decode rows and prompt chunks of several
+sessions in one forward pass give each session the tokens it gets in steps of its own."""
+
+import pytest
+
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.errors import EngineError, EngineErrorCode
+from rocforge_rt.step.batch import SequencePart, StepBatch
+from rocforge_rt.step.sampling import SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 64, 128, 2, 9], [200, 31, 8, 77, 15, 140, 6, 90, 4]]
+SAMPLING = SamplingParams(temperature=0.9, top_k=20, seed=7, logprobs=3)
+
+
+@pytest.fixture()
+def engine(tiny_model) -> Engine:
+    return Engine.load(tiny_model, backend="cpu", n_slots=4, n_ctx=64)
+
+
+def alone(engine: Engine, prompt: list[int], n: int) -> list[tuple]:
+    """The session's (token, logprob, alternatives) run in steps of its own."""
+    session = engine.open_session(prompt, sampling=SAMPLING, max_tokens=n)
+    session.eog_ids = frozenset()
+    events = [engine.prefill(session)]
+    while not session.finished:
+        events += engine.decode([session])
+    engine.close_session(session)
+    return [(e.token, e.logprob, e.top_logprobs) for e in events]
+
+
+def test_ragged_rows_put_every_logits_row_last_and_keep_each_sequence_in_order():
+    batch = StepBatch.ragged([
+        SequencePart([1, 2, 3], 4, 0, wants_logits=True),   # a prompt's last chunk
+        SequencePart([5, 6], 0, 1, wants_logits=False),     # a chunk before its prompt ends
+        SequencePart([7], 9, 2, wants_logits=True),         # a decode row
+    ])  # fmt: skip
+    assert batch.tokens.tolist() == [1, 2, 5, 6, 3, 7]
+    assert batch.positions.tolist() == [4, 5, 0, 1, 6, 9]
+    assert batch.slots.tolist() == [0, 0, 1, 1, 0, 2]
+    assert batch.logit_rows.tolist() == [4, 5] and batch.sampling.rows == 2
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(
+    engine, ragged, monkeypatch
+):
+    """Three sessions' prompts, chunked in several steps while earlier sessions decode, give
+    each session exactly the tokens, log-probabilities and alternatives it gets alone, each
+    step one forward pass (a backend without ragged steps runs the same schedule pass by
+    pass)."""
+    expected = [alone(engine, p, 6) for p in PROMPTS]
+    engine.backend.ragged_steps = ragged
+    passes = []
+    run = engine._run
+    monkeypatch.setattr(engine, "_run", lambda *a: passes.append(a[0].n_tokens) or run(*a))
+    steps = 0
+    sessions = [engine.open_session(p, sampling=SAMPLING, max_tokens=6) for p in PROMPTS]
+    for s in sessions:
+        s.eog_ids = frozenset()
+    got: list[list[tuple]] = [[] for _ in sessions]
+    decoding: list[int] = []
+    while any(not s.finished for s in sessions):
+        chunks = [(i, min(3, len(s.pending))) for i, s in enumerate(sessions)
+                  if i not in decoding and not s.finished]  # fmt: skip
+        out = engine.step([sessions[i] for i in decoding], [(sessions[i], n) for i, n in chunks])
+        steps += 1
+        for i, event in zip(decoding, out.decoded, strict=True):
+            got[i].append((event.token, event.logprob, event.top_logprobs))
+        for (i, _), event in zip(chunks, out.prefilled, strict=True):
+            if event is not None:
+                got[i].append((event.token, event.logprob, event.top_logprobs))
+                decoding.append(i)
+        decoding = [i for i in decoding if not sessions[i].finished]
+    assert got == expected
+    assert (len(passes) == steps) if ragged else (len(passes) > steps)
+    assert max(passes) == (9 if ragged else 3)  # the first step: 3 prompt chunks of 3
+
+
+def test_a_chunk_that_does_not_end_its_prompt_samples_nothing(engine):
+    session = engine.open_session(PROMPTS[2], max_tokens=4)
+    first = engine.step([], [(session, 4)])
+    assert first.prefilled == [None] and session.n_past == 4 and len(session.pending) == 5
+    last = engine.step([], [(session, 5)])
+    assert last.prefilled[0] is not None and session.pending == [last.prefilled[0].token]
+
+
+def test_a_step_refuses_a_session_twice_or_more_prompt_tokens_than_it_has(engine):
+    a = engine.open_session(PROMPTS[0], max_tokens=4)
+    b = engine.open_session(PROMPTS[1], max_tokens=4)
+    engine.prefill(b)
+    for decode, prefill in (([], [(a, 8)]), ([], [(a, 0)]), ([], [(a, 3), (a, 3)]),
+                            ([b], [(b, 1)])):  # fmt: skip
+        with pytest.raises(EngineError) as info:
+            engine.step(decode, prefill)
+        assert info.value.code is EngineErrorCode.INVALID_ARGUMENT
+    assert (a.n_past, len(a.pending), len(b.pending)) == (0, 7, 1)  # nothing was taken
+    with pytest.raises(EngineError) as info:
+        engine.step([a], [])
+    assert info.value.code is EngineErrorCode.NOT_DECODABLE
+
+
+def test_an_empty_step_runs_nothing(engine, monkeypatch):
+    monkeypatch.setattr(engine, "_run", lambda *a: pytest.fail("a pass ran"))
+    out = engine.step([], [])
+    assert (out.decoded, out.prefilled) == ([], [])
