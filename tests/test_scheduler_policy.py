@@ -34,47 +34,48 @@ def policy() -> StepPolicy:
 
 
 # --- what a step runs ---------------------------------------------------------------------------
+def pending(tokens: dict[str, int]):
+    """The prompt tokens each job still has, by request id."""
+    return lambda job: tokens[job.request.id]
+
+
 def test_an_idle_policy_runs_nothing(policy: StepPolicy) -> None:
     assert not policy.busy
-    assert policy.next_prefill() is None and policy.decode_batch() == ()
+    assert policy.plan(64, pending({})) == ((), ())
 
 
-def test_each_step_runs_one_prefill_chunk_of_the_oldest_prompt_still_prefilling(policy) -> None:
-    first, second = new_turn("open"), new_turn("generate")
-    policy.queue_prefill(first)
-    policy.queue_prefill(second)
-    assert first.state is second.state is JobState.PREFILLING
-    assert policy.next_prefill() is first
-    assert policy.next_prefill() is first  # a chunk that did not finish the prompt: again
-    policy.after_prefill(first, token())
-    policy.remove(first)  # its end
-    assert policy.next_prefill() is second
+def test_prompts_arriving_together_share_a_step_oldest_first_within_the_budget(policy) -> None:
+    first, second, third = (Job(Request(op="generate", id=i, turn=TURN), (b"peer",), 0.0)
+                            for i in ("a", "b", "c"))  # fmt: skip
+    for job in (first, second, third):
+        policy.queue_prefill(job)
+    assert first.state is second.state is third.state is JobState.PREFILLING
+    left = {"a": 30, "b": 50, "c": 10}
+    assert policy.plan(64, pending(left)) == ((), ((first, 30), (second, 34)))
+    left.update(a=0, b=16)  # the step ran; a's chunk ended its prompt
+    policy.after_prefill(first, token())  # a decodes from the next step on
+    assert policy.plan(64, pending(left)) == ((first,), ((second, 16), (third, 10)))
 
 
-def test_each_step_decodes_one_token_for_every_decoding_job_in_order_of_arrival(policy) -> None:
+def test_every_decoding_job_gets_its_token_before_prompts_get_theirs(policy) -> None:
     jobs = [on_session("step", n=3), on_session("generate"), on_session("step", n=1)]
     for j in jobs:
         policy.join_decode(j)
+    waiting = new_turn("open")
+    policy.queue_prefill(waiting)
     assert all(j.state is JobState.DECODING for j in jobs)
-    assert policy.decode_batch() == tuple(jobs)
+    assert policy.plan(4, pending({"open": 100})) == (tuple(jobs), ((waiting, 1),))
+    assert policy.plan(3, pending({"open": 100})) == (tuple(jobs), ())
 
 
-def test_a_generate_whose_prefill_ends_joins_the_decode_batch_of_the_same_step(policy) -> None:
+def test_a_generate_whose_prefill_ends_decodes_from_the_next_step(policy) -> None:
     running, new = on_session("generate"), new_turn("generate")
     policy.join_decode(running)
     policy.queue_prefill(new)
-    assert policy.next_prefill() is new
+    assert policy.plan(16, pending({"generate": 3})) == ((running,), ((new, 3),))
     assert policy.after_prefill(new, token()) is Emit.STREAM
     assert new.state is JobState.DECODING and new.remaining == float("inf")
-    assert policy.next_prefill() is None
-    assert policy.decode_batch() == (running, new)  # asked after the prefill chunk ran
-
-
-def test_a_prefill_and_a_decode_run_in_one_step(policy) -> None:
-    prefilling, decoding = new_turn("open"), on_session("step", n=4)
-    policy.queue_prefill(prefilling)
-    policy.join_decode(decoding)
-    assert policy.next_prefill() is prefilling and policy.decode_batch() == (decoding,)
+    assert policy.plan(16, pending({})) == ((running, new), ())
 
 
 # --- cancellation -------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_an_ended_job_leaves_the_queues_and_is_never_scheduled_again(policy) -> 
         policy.remove(j)
     policy.remove(decoding)  # again: nothing happens
     assert not policy.busy and policy.due_to_cancel(now=0.0) == []
-    assert policy.next_prefill() is None and policy.decode_batch() == ()
+    assert policy.plan(64, pending({"open": 3})) == ((), ())
 
 
 # --- what a token means -------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_open_and_append_end_with_their_first_token(policy, op: str) -> None:
     first = token()
     assert policy.after_prefill(j, first) == Finished(None, (first,))
     assert j.completion_tokens == 1
-    assert policy.next_prefill() is j  # still queued until its end takes it out
+    assert j in policy.prefilling  # still queued until its end takes it out
 
 
 def test_a_first_token_that_ends_the_turn_ends_a_generate(policy) -> None:
@@ -130,7 +131,7 @@ def test_a_first_token_that_ends_the_turn_ends_a_generate(policy) -> None:
     policy.queue_prefill(j)
     last = token(finish=FinishReason.STOP_TOKEN)
     assert policy.after_prefill(j, last) == Finished(FinishReason.STOP_TOKEN, (last,))
-    assert policy.decode_batch() == ()
+    assert policy.decoding == []
 
 
 def test_a_generate_streams_each_token_and_ends_with_the_one_that_ends_its_turn(policy) -> None:

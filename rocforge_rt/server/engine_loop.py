@@ -9,8 +9,9 @@ which the I/O thread forwards to clients, so neither waits on the other.
 Jobs reach this thread through the prompt thread (prompts.py), which tokenizes their
 prompts on the way. Each iteration takes new jobs (lifecycle.py starts them) and notices of
 clients gone, ends those the policy finds cancelled or past their deadline,
-then runs the step the policy picks (policy.py): at most one prefill chunk,
-then one batched decode. The replies each stage made go out after it.
+then runs the step the policy plans (policy.py): the next token of every decoding job
+and prompt chunks of the jobs still prefilling, oldest first, within a token budget
+(Engine.step). The replies each stage made go out after it.
 
 `stop` is heard while the engine loads and warms up too: the weights' upload
 stops between layers and the warm-up between steps, and the thread ends
@@ -48,10 +49,6 @@ END_OF_REPLIES = b""  # the last message the engine thread sends: it has stopped
 RUNTIME_STATS_INTERVAL_S = 0.1  # how often the backend's runtime counters are read
 
 
-def _always() -> bool:
-    return True
-
-
 class EngineLoop:
     """Runs every engine call on one thread (see the module docstring)."""
 
@@ -75,6 +72,7 @@ class EngineLoop:
         self._policy = StepPolicy()
         self._outbox = Outbox()
         self._lifecycle: Lifecycle | None = None  # once the engine has started
+        self._step_budget = 0  # tokens a step takes, once the engine has started
         self._stopping = False
         self._stop_requested = threading.Event()  # heard while loading, too
         self._out: zmq.Socket | None = None  # created on the engine thread, used only there
@@ -143,6 +141,8 @@ class EngineLoop:
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
+        # Tokens one step takes: a prompt chunk's worth, and at least a row per session.
+        self._step_budget = max(engine.prefill_chunk, engine.slots.n_slots)
         self._runtime_stats = getattr(engine.backend, "runtime_stats", None)
         started = time.perf_counter()
         self._warm_up()
@@ -223,13 +223,9 @@ class EngineLoop:
                 self._publish_usage()
                 return
             lifecycle.reap_idle(now)
-            job = policy.next_prefill()
-            if job is not None:
-                self._prefill_chunk(job)
-                self._flush()
-            jobs = policy.decode_batch()
-            if jobs:
-                self._decode_step(jobs)
+            decode, chunks = policy.plan(self._step_budget, self._pending_prompt_tokens)
+            if decode or chunks:
+                self._step(decode, chunks)
                 self._flush()
             self._publish_usage()
 
@@ -251,32 +247,34 @@ class EngineLoop:
             return
 
     # --- the step -----------------------------------------------------------------------------
-    def _prefill_chunk(self, job: Job) -> None:
-        session = self._lifecycle.session_of(job)
-        if job.prefill_started is None:
-            job.prefill_started = time.perf_counter()
-        n = min(len(session.pending), self.engine.prefill_chunk)
-        with self.op_timer.step("prefill", n_tokens=n, n_seqs=1):  # replies are host time too
-            try:
-                event = self.engine.prefill(session, should_stop=_always)
-            except Exception as exc:
-                self._engine_failed([job], exc)
-                return
-            if event is not None:
-                self._lifecycle.deliver(job, event, self._policy.after_prefill(job, event))
+    def _pending_prompt_tokens(self, job: Job) -> int:
+        return len(self._lifecycle.session_of(job).pending)
 
-    def _decode_step(self, jobs: tuple[Job, ...]) -> None:
-        sessions = [self._lifecycle.session_of(j) for j in jobs]
-        with self.op_timer.step("decode", n_tokens=len(jobs), n_seqs=len(jobs)):
-            try:
-                events = self.engine.decode(sessions)
-            except Exception as exc:
-                self._engine_failed(jobs, exc)
-                return
-            for job, event in zip(jobs, events, strict=True):
-                self._lifecycle.deliver(job, event, self._policy.after_decode(job, event))
+    def _step(self, decode: tuple[Job, ...], chunks: tuple[tuple[Job, int], ...]) -> None:
+        """One engine step: a token for every decoding job, the planned prompt chunks."""
+        lifecycle, policy = self._lifecycle, self._policy
         now = time.perf_counter()
-        if self._runtime_stats is not None and now >= self._next_runtime_stats:
+        for job, _ in chunks:
+            if job.prefill_started is None:
+                job.prefill_started = now
+        kind = "mixed" if decode and chunks else "decode" if decode else "prefill"
+        n_tokens = len(decode) + sum(n for _, n in chunks)
+        with self.op_timer.step(kind, n_tokens=n_tokens, n_seqs=len(decode) + len(chunks)):
+            try:  # replies are host time too
+                out = self.engine.step(
+                    [lifecycle.session_of(j) for j in decode],
+                    [(lifecycle.session_of(j), n) for j, n in chunks],
+                )
+            except Exception as exc:
+                self._engine_failed([*decode, *(j for j, _ in chunks)], exc)
+                return
+            for job, event in zip(decode, out.decoded, strict=True):
+                lifecycle.deliver(job, event, policy.after_decode(job, event))
+            for (job, _), event in zip(chunks, out.prefilled, strict=True):
+                if event is not None:
+                    lifecycle.deliver(job, event, policy.after_prefill(job, event))
+        now = time.perf_counter()
+        if decode and self._runtime_stats is not None and now >= self._next_runtime_stats:
             self._next_runtime_stats = now + RUNTIME_STATS_INTERVAL_S
             self.runtime_stats = self._runtime_stats()
 

@@ -6,20 +6,23 @@ engine-thread iteration asks, in order:
 1. `due_to_cancel(now)`: running jobs flagged by the I/O thread (abort, close,
    disconnect, shutdown) or past their deadline. They are ended before the step,
    so a request stops within one step.
-2. `next_prefill()`: one prefill chunk of the oldest job still prefilling (a long
-   prompt delays running generations by one chunk at a time, not by its whole
-   prefill). Its first token goes to `after_prefill`.
-3. `decode_batch()`: one batched decode of every job decoding, asked after the
-   prefill chunk ran, so a generate whose prefill just ended joins this step.
-   Each token goes to `after_decode`.
+2. `plan(budget, pending)`: one scheduler step (vLLM V1's unified scheduling) of at
+   most `budget` tokens: the next token of every decoding job first, then prompt
+   chunks of the jobs still prefilling, oldest first, as many as fit (a long prompt
+   takes what is left of each step; prompts arriving together prefill together, and
+   running generations never wait for a whole prompt). A chunk that ends its prompt
+   samples the job's first token, which goes to `after_prefill`; each decoded token
+   goes to `after_decode`.
 
 `after_prefill` and `after_decode` count the token and say what it means: a
 `Finished` outcome (the job ends with it), `Emit.STREAM` (send it now), or
 `Emit.HOLD` (keep it for the job's final reply: a `step` replies once). A job
-leaves the queues only when it ends (`remove`), or moves from prefill to decode.
+leaves the queues only when it ends (`remove`), or moves from prefill to decode
+(it decodes from the next step on).
 """
 
 from collections import deque
+from collections.abc import Callable
 from enum import StrEnum
 
 from rocforge_rt.engine.session import TokenEvent
@@ -68,13 +71,24 @@ class StepPolicy:
                 due.append((job, CancelCause.DEADLINE))
         return due
 
-    def next_prefill(self) -> Job | None:
-        """The job whose next prompt chunk this step runs: the oldest still prefilling."""
-        return self.prefilling[0] if self.prefilling else None
-
-    def decode_batch(self) -> tuple[Job, ...]:
-        """The jobs this step decodes one token for: every job decoding."""
-        return tuple(self.decoding)
+    def plan(
+        self, budget: int, pending: Callable[[Job], int]
+    ) -> tuple[tuple[Job, ...], tuple[tuple[Job, int], ...]]:
+        """The next step: (every job decoding, [(job, prompt tokens) of the jobs prefilling,
+        oldest first, while the `budget` of tokens lasts]); `pending(job)` is how many
+        prompt tokens a job still has. Every decoding job gets its token (the budget is at
+        least the most sessions there are)."""
+        decode = tuple(self.decoding)
+        left = budget - len(decode)
+        chunks = []
+        for job in self.prefilling:
+            if left <= 0:
+                break
+            n = min(pending(job), left)
+            if n > 0:
+                chunks.append((job, n))
+                left -= n
+        return decode, tuple(chunks)
 
     def after_prefill(self, job: Job, event: TokenEvent) -> Finished | Emit:
         """The first token of a turn: open and append end with it, a generate goes on."""
