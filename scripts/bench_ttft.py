@@ -20,6 +20,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,16 +38,22 @@ WORDS = (
 # fmt: on
 
 
+def token_prompt(length: int, index: int, n_vocab: int) -> dict[str, Any]:
+    """Request fields of a prompt of exactly `length` token ids, varied by `index`."""
+    return {"tokens": [(13 * index + 7 * i + 1) % n_vocab for i in range(length)]}
+
+
 def prompt_for(length: int, index: int, info: dict[str, Any]) -> dict[str, Any]:
     """Request fields of a prompt of about `length` tokens, varied by `index`."""
     if info["model"]["tokenizer"]:
         words = [WORDS[(index + i) % len(WORDS)] for i in range(length)]
         return {"prompt": " ".join(words)}
-    n_vocab = info["model"]["n_vocab"]
-    return {"tokens": [(13 * index + 7 * i + 1) % n_vocab for i in range(length)]}
+    return token_prompt(length, index, info["model"]["n_vocab"])
 
 
 def one_request(client: Client, fields: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """One streamed generation, timed by the client. The `*_at` fields are its
+    time.perf_counter() seconds: request sent, first and last reply with tokens."""
     sent = time.perf_counter()
     arrivals, last = [], None
     for reply in client.generate(**fields, max_tokens=max_tokens):
@@ -60,6 +67,22 @@ def one_request(client: Client, fields: dict[str, Any], max_tokens: int) -> dict
         "prompt_tokens": last.usage["prompt_tokens"],
         "completion_tokens": last.usage["completion_tokens"],
         "finish_reason": last.finish_reason,
+        "sent_at": sent,
+        "first_token_at": arrivals[0],
+        "last_token_at": arrivals[-1],
+    }
+
+
+def daemon_view(server: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's own view of a run, from its `stats`: latencies and decode batching."""
+    decode = server["overhead"]["steps"].get("decode", {})
+    return {
+        "ttft_ms": server["latency"]["ttft_ms"],
+        "itl_ms": server["latency"]["itl_ms"],
+        "decode_mean_batch": decode.get("mean_batch"),
+        "decode_step_ms": decode.get("mean_ms"),
+        "steps": server["overhead"]["steps"],
+        "runtime": server.get("runtime"),
     }
 
 
@@ -95,7 +118,6 @@ def run_config(
     with connect(addr, curve_keys=curve_keys, timeout=args.timeout) as client:
         server = client.stats()
     tokens = sum(r["completion_tokens"] for r in results)
-    decode = server["overhead"]["steps"].get("decode", {})
     return {
         "prompt_length": length,
         "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / len(results),
@@ -109,14 +131,7 @@ def run_config(
         "itl_ms": distribution(g for r in results for g in r["itl_ms"]),
         "e2e_ms": distribution(r["e2e_ms"] for r in results),
         "finish_reasons": sorted({r["finish_reason"] for r in results}),
-        "daemon": {
-            "ttft_ms": server["latency"]["ttft_ms"],
-            "itl_ms": server["latency"]["itl_ms"],
-            "decode_mean_batch": decode.get("mean_batch"),
-            "decode_step_ms": decode.get("mean_ms"),
-            "steps": server["overhead"]["steps"],
-            "runtime": server.get("runtime"),
-        },
+        "daemon": daemon_view(server),
     }
 
 
@@ -170,6 +185,50 @@ def benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"daemon_info": info, "runs": runs}
 
 
+def against_daemon(
+    args: argparse.Namespace,
+    benchmark: Callable[[str, argparse.Namespace], dict[str, Any]],
+    *,
+    max_sessions: int,
+) -> dict[str, Any]:
+    """benchmark(addr, args) against --addr, or a daemon spawned on --spawn-daemon with
+    --backend, --ctx-size and `max_sessions` (stopped afterwards)."""
+    if not args.spawn_daemon:
+        return benchmark(args.addr, args)
+    serve_args = [
+        "--backend", args.backend, "--ctx-size", str(args.ctx_size),
+        "--max-sessions", str(max_sessions), "--log-level", "warning",
+    ]  # fmt: skip
+    with LocalDaemon(Path(args.spawn_daemon), serve_args) as daemon:
+        report = benchmark(daemon.addr, args)
+        if daemon.stop() != 0:
+            print("warning: the daemon did not exit with code 0", file=sys.stderr)
+    return report
+
+
+def write_report(
+    started: datetime,
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    name: str,
+    plot: Callable[[dict[str, Any], Path], None],
+) -> Path:
+    """NAME-BACKEND-TIME.json (the run's config first) and .png (needs matplotlib) in --out."""
+    config = {k: v for k, v in vars(args).items() if k != "curve_keys"}
+    report = {"started": started.isoformat(), "config": config, **report}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{name}-{report['daemon_info']['backend']}-{started:%Y%m%dT%H%M%S}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {stem}.json", file=sys.stderr)
+    try:
+        plot(report, stem.with_suffix(".png"))
+        print(f"wrote {stem}.png", file=sys.stderr)
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    return stem.with_suffix(".json")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
@@ -189,30 +248,8 @@ def main() -> int:
     args.prompt_lengths = [int(n) for n in args.prompt_lengths.split(",")]
 
     started = datetime.now(UTC)
-    if args.spawn_daemon:
-        serve_args = [
-            "--backend", args.backend, "--ctx-size", str(args.ctx_size),
-            "--max-sessions", str(max(args.concurrency)), "--log-level", "warning",
-        ]  # fmt: skip
-        with LocalDaemon(Path(args.spawn_daemon), serve_args) as daemon:
-            report = benchmark(daemon.addr, args)
-            if daemon.stop() != 0:
-                print("warning: the daemon did not exit with code 0", file=sys.stderr)
-    else:
-        report = benchmark(args.addr, args)
-    config = {k: v for k, v in vars(args).items() if k != "curve_keys"}
-    report = {"started": started.isoformat(), "config": config, **report}
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_ttft-{report['daemon_info']['backend']}-{started:%Y%m%dT%H%M%S}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / stem}.json", file=sys.stderr)
-    try:
-        plot(report, out / f"{stem}.png")
-        print(f"wrote {out / stem}.png", file=sys.stderr)
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    report = against_daemon(args, benchmark, max_sessions=max(args.concurrency))
+    write_report(started, args, report, "bench_ttft", plot)
     return 0
 
 

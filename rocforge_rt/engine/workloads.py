@@ -1,5 +1,5 @@
 """The measured workloads the benchmark scripts share: batch-1 decode and one prompt's prefill,
-and llama.cpp's llama-bench run as the peer they are compared with.
+and llama.cpp's llama-bench and llama-batched-bench run as the peers they are compared with.
 
 Both follow llama-bench: decode tokens/s is generation after a 1-token prompt
 (its tg; greedy unless sampling parameters are given), prompt tokens/s is the
@@ -9,6 +9,7 @@ those ids.
 """
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Sequence
@@ -54,9 +55,13 @@ def prompt_tokens_per_s(engine: Engine, n_prompt: int, rng: np.random.Generator)
 # The fields of a llama-bench result row that say what was measured with what.
 LLAMA_BENCH_BUILD_FIELDS = ("build_commit", "build_number", "backends", "cpu_info", "gpu_info")
 
+# llama.cpp's tools log "build: NUMBER (COMMIT) with COMPILER for TARGET" to stderr at start.
+LLAMA_BUILD_LINE = re.compile(r"^build: (?P<number>\d+) \((?P<commit>[0-9a-f]+)\)", re.MULTILINE)
+
 
 class LlamaBenchError(RuntimeError):
-    """llama-bench could not be started, failed, or printed results that cannot be read."""
+    """A llama.cpp benchmark tool could not be started, failed, or printed results that
+    cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,31 @@ class LlamaBenchRun:
         """The build and device fields of its output (commit, backends, CPU and GPU)."""
         first = self.rows[0] if self.rows else {}
         return {k: first[k] for k in LLAMA_BENCH_BUILD_FIELDS if k in first}
+
+
+@dataclass(frozen=True)
+class LlamaBatchedBenchRun:
+    command: list[str]
+    rows: dict[int, dict[str, Any]]  # by parallel sequences (its pl): one JSONL row each
+    build: dict[str, Any]  # build_number and build_commit from its log, where it printed them
+
+
+def run_llama_tool(tool: str, command: Sequence[str]) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool (`tool` names it in errors; command[0] is its binary) to the end.
+    LlamaBenchError, naming the tool and binary, when it cannot be started or exits non-zero
+    (with the last lines of its stderr)."""
+    binary = command[0]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:  # not there, not executable
+        raise LlamaBenchError(f"cannot run {tool} {binary!r}: {e.strerror or e}") from e
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-5:]
+        raise LlamaBenchError(
+            f"{tool} {binary!r} exited with code {done.returncode}"
+            + (":\n  " + "\n  ".join(tail) if tail else "")
+        )
+    return done
 
 
 def llama_bench(
@@ -88,16 +118,7 @@ def llama_bench(
     command = [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_gen),
                "-ngl", str(n_gpu_layers), "-fa", "1", "-r", str(repetitions), "-o", "json",
                *extra_args]  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True)
-    except OSError as e:  # not there, not executable
-        raise LlamaBenchError(f"cannot run llama-bench {binary!r}: {e.strerror or e}") from e
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-5:]
-        raise LlamaBenchError(
-            f"llama-bench {binary!r} exited with code {done.returncode}"
-            + (":\n  " + "\n  ".join(tail) if tail else "")
-        )
+    done = run_llama_tool("llama-bench", command)
     try:
         rows = json.loads(done.stdout)
     except json.JSONDecodeError as e:
@@ -105,3 +126,56 @@ def llama_bench(
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise LlamaBenchError(f"llama-bench {binary!r} printed no result rows")
     return LlamaBenchRun(command, rows)
+
+
+def llama_batched_bench(
+    binary: str,
+    model: str,
+    *,
+    n_prompt: int,
+    n_gen: int,
+    n_parallel: Sequence[int],
+    n_ctx: int | None = None,
+    n_gpu_layers: int = 99,
+    extra_args: Sequence[str] = (),
+) -> LlamaBatchedBenchRun:
+    """Run llama-batched-bench on the same GGUF with flash attention on: for each count B in
+    `n_parallel`, B sequences of their own `n_prompt`-token prompt prefilled together
+    (T_PP), then `n_gen` decode steps of one token for each of the B (T_TG; S_TG = B x
+    n_gen / T_TG, its aggregate decode tokens/s). -c is `n_ctx`, by default the largest B x
+    (n_prompt + n_gen) (it skips a B whose prompts and tokens do not fit); -b 2048 -ub 512;
+    -ngl `n_gpu_layers`; `--output-format jsonl` (one JSON object a line on stdout, keys pp,
+    tg, pl, n_kv, t_pp, speed_pp, t_tg, speed_tg, t, speed in seconds and tokens/s: the
+    build of tools/batched-bench/batched-bench.cpp where -fa takes on|off|auto);
+    `extra_args` go last. LlamaBenchError, naming the binary, when it cannot be run,
+    fails, or gives no row for some B."""
+    counts = list(dict.fromkeys(n_parallel))
+    if n_ctx is None:
+        n_ctx = max(counts) * (n_prompt + n_gen)
+    command = [binary, "-m", model, "-c", str(n_ctx), "-b", "2048", "-ub", "512",
+               "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, counts)),
+               "-ngl", str(n_gpu_layers), "-fa", "on", "--output-format", "jsonl",
+               *extra_args]  # fmt: skip
+    done = run_llama_tool("llama-batched-bench", command)
+    rows: dict[int, dict[str, Any]] = {}
+    for line in done.stdout.splitlines():
+        if not line.startswith("{"):
+            continue  # the blank lines around its rows
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LlamaBenchError(
+                f"llama-batched-bench {binary!r} printed a line that is not JSON ({e}): {line}"
+            ) from e
+        if row.get("pp") == n_prompt and row.get("tg") == n_gen and "pl" in row:
+            rows[row["pl"]] = row
+    missing = [b for b in counts if b not in rows]
+    if missing:
+        raise LlamaBenchError(
+            f"llama-batched-bench {binary!r} gave no result for"
+            f" {', '.join(map(str, missing))} parallel sequences of {n_prompt} + {n_gen} tokens"
+            " (is -c large enough, and is it a build with --output-format jsonl?)"
+        )
+    found = LLAMA_BUILD_LINE.search(done.stderr)
+    build = {"build_number": int(found["number"]), "build_commit": found["commit"]} if found else {}
+    return LlamaBatchedBenchRun(command, {b: rows[b] for b in counts}, build)
