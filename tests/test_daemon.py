@@ -285,6 +285,41 @@ def test_concurrent_generations_share_decode_steps_and_match_solo_runs(slow_daem
     assert decode["mean_batch"] > 1.0  # at least some steps decoded both sessions at once
 
 
+def test_streams_scheduled_together_keep_their_own_tokens_when_one_is_aborted(
+    tiny_model: Path,
+) -> None:
+    """Four sampled generations arriving together share steps (prompt chunks beside decode
+    rows): each gets the tokens it gets alone, and aborting one mid-stream changes no other's."""
+    prompts = [PROMPT, OTHER_PROMPT, LONG_PROMPT[:23], LONG_PROMPT[5:18]]
+    sampling = {"temperature": 0.8, "top_k": 40, "seed": 11}
+    with serving(tiny_model, slow(), max_sessions=4) as daemon:
+        with connect(daemon.endpoint, timeout=10) as c:
+            alone = [token_ids(c.generate(tokens=p, max_tokens=12, **sampling)) for p in prompts]
+            c.stats(reset=True)
+        together: dict[int, list[int]] = {}
+        start = threading.Barrier(len(prompts))
+
+        def run(i: int) -> None:
+            with connect(daemon.endpoint, timeout=10) as c:
+                start.wait()
+                got = together[i] = []
+                for reply in c.generate(tokens=prompts[i], max_tokens=12, **sampling):
+                    got += [t.token for t in reply.tokens]
+                    if i == 0 and len(got) >= 3:
+                        break  # leaving the stream aborts it
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with connect(daemon.endpoint) as c:
+            steps = c.stats()["overhead"]["steps"]
+    assert together[0] == alone[0][: len(together[0])] and len(together[0]) < 12
+    assert [together[i] for i in (1, 2, 3)] == alone[1:]
+    assert "mixed" in steps or steps["prefill"]["mean_batch"] > 1.0  # prompts shared steps
+
+
 # --- admission and limits -----------------------------------------------------------------------
 def test_a_full_daemon_answers_busy_at_once(client) -> None:
     sessions = [client.open(tokens=PROMPT).session for _ in range(2)]
