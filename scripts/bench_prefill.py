@@ -41,7 +41,12 @@ from typing import Any
 import numpy as np
 
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
-from rocforge_rt.engine.workloads import LlamaBenchError, llama_bench, prompt_tokens_per_s
+from rocforge_rt.engine.workloads import (
+    LlamaBenchError,
+    llama_bench,
+    positive_ints,
+    prompt_tokens_per_s,
+)
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
 TIMED_OPS = ("embed", *GEMM_OPS, "attention", "lm_head")
@@ -281,18 +286,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def parse_lengths(text: str) -> list[int]:
-    try:
-        lengths = sorted({int(n) for n in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of integers: {text!r}"
-        ) from None
-    if lengths[0] < 1:
-        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1: {text!r}")
-    return lengths
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -302,11 +295,11 @@ def main() -> int:
     lengths = parser.add_mutually_exclusive_group()
     lengths.add_argument(
         "--lengths",
-        type=parse_lengths,
-        default=parse_lengths(DEFAULT_LENGTHS),
+        type=positive_ints,
+        default=positive_ints(DEFAULT_LENGTHS),
         help=f"comma-separated prompt lengths (default {DEFAULT_LENGTHS})",
     )
-    lengths.add_argument("--n-prompt", type=parse_lengths, help="one prompt length: --lengths N")
+    lengths.add_argument("--n-prompt", type=positive_ints, help="one prompt length: --lengths N")
     parser.add_argument("--repeats", type=int, default=5, help="runs per length and side")
     parser.add_argument("--baseline", action="store_true", help="also time the GEMV path")
     parser.add_argument(

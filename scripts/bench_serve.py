@@ -47,7 +47,7 @@ from typing import Any
 from bench_ttft import against_daemon, daemon_view, one_request, token_prompt, write_report
 
 from clients.rocforge_client import ClientError, connect
-from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench
+from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench, positive_ints
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import ServerError
 
@@ -249,18 +249,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def parse_counts(text: str) -> list[int]:
-    try:
-        counts = sorted({int(n) for n in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of integers: {text!r}"
-        ) from None
-    if counts[0] < 1:
-        raise argparse.ArgumentTypeError(f"stream counts must be >= 1: {text!r}")
-    return counts
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -273,8 +261,8 @@ def main() -> int:
     parser.add_argument("--ctx-size", type=int, help="for --spawn-daemon (default P + T + 1)")
     parser.add_argument(
         "--streams",
-        type=parse_counts,
-        default=parse_counts(DEFAULT_STREAMS),
+        type=positive_ints,
+        default=positive_ints(DEFAULT_STREAMS),
         help=f"comma-separated stream counts (default {DEFAULT_STREAMS})",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128, help="P, per stream")

@@ -15,20 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_executables import LOGGED_ARGS, failing_tool, write_executable
 
 from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAKE_LLAMA_BATCHED_BENCH = """\
-#!{python}
-import json, sys
-from pathlib import Path
-
-argv = sys.argv[1:]
-with open(Path(__file__).with_suffix(".log"), "a") as log:
-    log.write(json.dumps(argv) + "\\n")
-arg = dict(zip(argv[::2], argv[1::2]))
+FAKE_LLAMA_BATCHED_BENCH = (
+    LOGGED_ARGS
+    + """\
 print("build: 4321 (fa4e1c0) with cc (GCC) 13.2.0 for x86_64-linux-gnu", file=sys.stderr)
 n_kv_max, pp, tg = int(arg["-c"]), int(arg["-npp"]), int(arg["-ntg"])
 for pl in map(int, arg["-npl"].split(",")):
@@ -48,19 +43,7 @@ for pl in map(int, arg["-npl"].split(",")):
 print()
 print("llama_perf_context_print:        load time =       1.00 ms", file=sys.stderr)
 """
-
-FAILING_LLAMA_BATCHED_BENCH = """\
-#!{python}
-import sys
-print("main: error: unable to load model", file=sys.stderr)
-sys.exit(1)
-"""
-
-
-def write_executable(path: Path, text: str) -> Path:
-    path.write_text(text.format(python=sys.executable))
-    path.chmod(0o755)
-    return path
+)
 
 
 @pytest.fixture
@@ -142,7 +125,7 @@ def test_serve_bench_names_a_missing_llama_batched_bench_and_exits_without_a_tra
 def test_serve_bench_names_a_failing_llama_batched_bench_shows_its_error_and_keeps_our_results(
     tiny_model, tmp_path
 ):
-    failing = write_executable(tmp_path / "llama-batched-bench", FAILING_LLAMA_BATCHED_BENCH)
+    failing = failing_tool(tmp_path / "llama-batched-bench", "main: error: unable to load model")
     result = run_bench_serve("--spawn-daemon", tiny_model, "--backend", "cpu", "--streams", "1",
                              "--prompt-tokens", "4", "--max-tokens", "4",
                              "--llamacpp-batched", failing, "--out", tmp_path)  # fmt: skip

@@ -14,18 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_executables import LOGGED_ARGS, failing_tool, write_executable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAKE_LLAMA_BENCH = """\
-#!{python}
-import json, sys
-from pathlib import Path
-
-argv = sys.argv[1:]
-with open(Path(__file__).with_suffix(".log"), "a") as log:
-    log.write(json.dumps(argv) + "\\n")
-arg = dict(zip(argv[::2], argv[1::2]))
+FAKE_LLAMA_BENCH = (
+    LOGGED_ARGS
+    + """\
 reps = int(arg["-r"])
 build = {{"build_commit": "fa4e1c0", "build_number": 4321, "backends": "CPU",
          "cpu_info": "Fake CPU @ 3 GHz", "gpu_info": ""}}
@@ -40,19 +35,7 @@ for kind, n in (("p", int(arg["-p"])), ("n", int(arg["-n"]))):
                      "avg_ts": sum(ts) / reps, "samples_ns": ns, "samples_ts": ts}})
 print(json.dumps(rows, indent=2))
 """
-
-FAILING_LLAMA_BENCH = """\
-#!{python}
-import sys
-print("error: failed to load model", file=sys.stderr)
-sys.exit(1)
-"""
-
-
-def write_executable(path: Path, text: str) -> Path:
-    path.write_text(text.format(python=sys.executable))
-    path.chmod(0o755)
-    return path
+)
 
 
 @pytest.fixture
@@ -190,7 +173,7 @@ def test_prefill_bench_names_a_missing_llama_bench_and_exits_without_a_traceback
 
 
 def test_prefill_bench_names_a_failing_llama_bench_and_shows_its_error(tiny_model, tmp_path):
-    failing = write_executable(tmp_path / "llama-bench", FAILING_LLAMA_BENCH)
+    failing = failing_tool(tmp_path / "llama-bench", "error: failed to load model")
     result = run_script("bench_prefill.py", tiny_model, "--backend", "cpu", "--lengths", "8",
                         "--repeats", "1", "--llamacpp", failing,
                         "--out", tmp_path / "p.json")  # fmt: skip

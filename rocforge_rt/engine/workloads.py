@@ -8,6 +8,7 @@ pp). Random-weight models may sample an end-of-generation id, so decode ignores
 those ids.
 """
 
+import argparse
 import json
 import re
 import subprocess
@@ -179,3 +180,17 @@ def llama_batched_bench(
     found = LLAMA_BUILD_LINE.search(done.stderr)
     build = {"build_number": int(found["number"]), "build_commit": found["commit"]} if found else {}
     return LlamaBatchedBenchRun(command, {b: rows[b] for b in counts}, build)
+
+
+def positive_ints(text: str) -> list[int]:
+    """A benchmark's comma-separated counts ("128,512"), sorted, without repeats (an argparse
+    type: a bad list is an ArgumentTypeError)."""
+    try:
+        values = sorted({int(n) for n in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if values[0] < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1: {text!r}")
+    return values
