@@ -14,6 +14,7 @@ class Backend(Protocol):
     """What the engine needs of a backend: weight upload, forward ops, results to host."""
 
     name: str
+    ragged_steps: bool  # whether one forward pass may mix several sequences' prompt chunks
 
     def device_info(self) -> dict[str, object]: ...
     def to_host(self, values: Any) -> np.ndarray: ...

@@ -34,6 +34,11 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # temperature and top_p: float3
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def step_token_budget(prefill_chunk: int, n_slots: int) -> int:
+    """Tokens one step may take: a prompt chunk's worth, and at least a row per session."""
+    return max(prefill_chunk, n_slots)
+
+
 def _stop_point(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise LoadCancelled("loading stopped: asked to stop")
@@ -108,8 +113,7 @@ class Engine:
         model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
         _stop_point(should_stop)
-        # A GPU step holds a whole prompt chunk (or one row per session).
-        backend_options.setdefault("max_tokens", max(prefill_chunk, n_slots))
+        backend_options.setdefault("max_tokens", step_token_budget(prefill_chunk, n_slots))
         device = create_backend(
             backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, **backend_options
         )
@@ -230,6 +234,11 @@ class Engine:
             )
 
     # --- steps ---------------------------------------------------------------------------
+    @property
+    def step_budget(self) -> int:
+        """Tokens one `step` may take (decode rows and prompt chunks together)."""
+        return step_token_budget(self.prefill_chunk, self.slots.n_slots)
+
     def _run(self, batch: StepBatch, want_logits: bool) -> StepOutput:
         return self.backend.run_step(
             batch, lambda: forward(self.ops, self.weights, batch), want_logits
@@ -252,35 +261,15 @@ class Engine:
         `should_stop` is asked between chunks; when it says yes, the prefill stops
         (the tokens processed so far stay cached) and None is returned.
         """
-        while len(session.pending) > self.prefill_chunk:
-            start = session.n_past
-            chunk = session.take_pending(self.prefill_chunk)
-            self._run(StepBatch.prefill(chunk, start, session.slot, "none"), False)
-            if should_stop is not None and should_stop():
-                return None
-        start = session.n_past
-        chunk = session.take_pending(len(session.pending))
-        batch = StepBatch.prefill(chunk, start, session.slot, sampling=self._sampling([session]))
-        (event,) = self._sample([session], batch)
-        return event
+        while True:
+            n = min(len(session.pending), self.prefill_chunk)
+            (event,) = self.step([], [(session, n)]).prefilled
+            if event is not None or (should_stop is not None and should_stop()):
+                return event
 
     def decode(self, sessions: Sequence[Session]) -> list[TokenEvent]:
         """One batched decode step: each session feeds its one pending token."""
-        self._check_decodable(sessions)
-        positions = [s.n_past for s in sessions]
-        tokens = [s.take_pending(1)[0] for s in sessions]
-        slots = [s.slot for s in sessions]
-        return self._sample(
-            sessions, StepBatch.decode(tokens, positions, slots, self._sampling(sessions))
-        )
-
-    @staticmethod
-    def _check_decodable(sessions: Sequence[Session]) -> None:
-        for s in sessions:
-            if s.finished or len(s.pending) != 1:
-                raise EngineError(
-                    EngineErrorCode.NOT_DECODABLE, f"session {s.session_id} is not ready to decode"
-                )
+        return self.step(sessions).decoded
 
     def step(
         self, decode: Sequence[Session], prefill: Sequence[tuple[Session, int]] = ()
@@ -292,7 +281,11 @@ class Engine:
         On a backend with ragged steps (`backend.ragged_steps`) it is one forward pass;
         otherwise each prompt chunk takes a pass of its own, then the decode rows one.
         """
-        self._check_decodable(decode)
+        for s in decode:
+            if s.finished or len(s.pending) != 1:
+                raise EngineError(
+                    EngineErrorCode.NOT_DECODABLE, f"session {s.session_id} is not ready to decode"
+                )
         if not decode and not prefill:
             return StepEvents([], [])
         seen = {s.session_id for s in decode}
@@ -309,7 +302,7 @@ class Engine:
             start = session.n_past
             tokens = session.take_pending(n)
             parts.append((session, SequencePart(tokens, start, session.slot, not session.pending)))
-        if getattr(self.backend, "ragged_steps", False):
+        if self.backend.ragged_steps:
             passes = [parts]
         else:
             passes = [[part] for part in parts[: len(prefill)]] + [parts[len(prefill) :]]

@@ -72,7 +72,6 @@ class EngineLoop:
         self._policy = StepPolicy()
         self._outbox = Outbox()
         self._lifecycle: Lifecycle | None = None  # once the engine has started
-        self._step_budget = 0  # tokens a step takes, once the engine has started
         self._stopping = False
         self._stop_requested = threading.Event()  # heard while loading, too
         self._out: zmq.Socket | None = None  # created on the engine thread, used only there
@@ -141,8 +140,6 @@ class EngineLoop:
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
-        # Tokens one step takes: a prompt chunk's worth, and at least a row per session.
-        self._step_budget = max(engine.prefill_chunk, engine.slots.n_slots)
         self._runtime_stats = getattr(engine.backend, "runtime_stats", None)
         started = time.perf_counter()
         self._warm_up()
@@ -223,7 +220,7 @@ class EngineLoop:
                 self._publish_usage()
                 return
             lifecycle.reap_idle(now)
-            decode, chunks = policy.plan(self._step_budget, self._pending_prompt_tokens)
+            decode, chunks = policy.plan(self.engine.step_budget, self._pending_prompt_tokens)
             if decode or chunks:
                 self._step(decode, chunks)
                 self._flush()
