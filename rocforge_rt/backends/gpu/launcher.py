@@ -86,31 +86,32 @@ class Launcher:
             handle = self.new_handle(kernel, grid, block, shared_bytes, overlap=overlap)
             self.handles[key] = handle
         handle.set_args(*args)
-        timer = self.timer
-        if timer is None:
-            handle.launch()
-        else:
-            timer.before(kernel)
-            handle.launch()
-            timer.after()
+        self._issue(kernel, handle.launch)
         if self.recording is not None:
             self.recording.append(handle)
-        if self.sync_each:
-            self.stream.synchronize()
 
     def call_library(self, name: str, call: Callable[[], None]) -> None:
         """Run a library routine that queues work on the stream (the vendor GEMM), timed and
         tracked as a kernel named `name`. Under capture its kernels join the graph; they
         take no launch handle, so only launch handles' changes make a graph stale."""
-        timer = self.timer
-        if timer is not None:
-            timer.before(name)
+        self._issue(name, lambda: self._tracked(name, call))
+
+    def _tracked(self, name: str, call: Callable[[], None]) -> None:
+        """`call`, its host time told to the launch tracker (a launch handle tells its own)."""
         start = time.perf_counter_ns()
         call()
-        end = time.perf_counter_ns()
         if self.tracker.enabled:
-            self.tracker.launched(name, start, end)
-        if timer is not None:
+            self.tracker.launched(name, start, time.perf_counter_ns())
+
+    def _issue(self, name: str, launch: Callable[[], None]) -> None:
+        """Queue `launch` as the step's next kernel `name`: between the kernel timer's events
+        in a timed step, synchronized after in per-kernel-sync mode."""
+        timer = self.timer
+        if timer is None:
+            launch()
+        else:
+            timer.before(name)
+            launch()
             timer.after()
         if self.sync_each:
             self.stream.synchronize()
