@@ -13,7 +13,11 @@
 //                        Each 32-byte block of xq is stored in "mma order": for
 //                        c = 0..3, elements 4c..4c+3 then 16+4c..16+4c+3, so that one
 //                        8-byte load gives a lane both k-chunks an mma fragment needs.
-//                        Launch: grid (rows), block RF_Q8_THREADS.
+//                        Block (row, y) quantizes the row's quant blocks
+//                        y * RF_Q8_ROWS_BLOCKS.. (after its sum of squares, when
+//                        normalizing: every block of the row computes it, in one order).
+//                        Launch: grid (rows, ceil(k / 32 / RF_Q8_ROWS_BLOCKS)), block
+//                        RF_Q8_THREADS.
 //   rf_gemm_<fmt>        tiled GEMM of the repacked weights (see gemv.hip: Q4_0 quants
 //                        uint8 [n, k/2], byte j of a block = element j (low nibble) and
 //                        j + 16 (high); Q8_0 int8 [n, k]; f16 scales [n, k/32] apart)
@@ -28,6 +32,7 @@
 //            out[t, j] = silu(gate) * up.
 #include "rf_portability.h"
 #include "rf_q8.h"
+#include "rf_rope.h"
 
 // From rf_constants.h: RF_GEMM_THREADS (four 32-lane groups, 2 (n) x 2 (m)), RF_GEMM_TILE_N
 // (weight rows per block; a group takes half: four 16-row mma tiles), RF_GEMM_TILE_M
@@ -69,12 +74,13 @@ void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_REST
     const int n_blocks = k / RF_QK;
     const float* xr = x + (int64_t)row * k;
     const float inv_rms = gain != nullptr ? rf_row_inv_rms(xr, k, eps, s_partial) : 1.0f;
-    // Eight lanes per 32-element block, four elements each; every lane runs every
-    // iteration (uniform trip count) so the shuffles see whole warps.
+    // Eight lanes per 32-element block, four elements each; every lane of the block
+    // runs the one iteration, so the shuffles see whole warps.
+    static_assert(RF_Q8_ROWS_BLOCKS * 8 == RF_Q8_THREADS, "eight lanes per quant block");
     const int sub = threadIdx.x & 7;
     const int slot = sub < 4 ? 2 * sub : 2 * (sub - 4) + 1;  // u32 index in mma order
-    for (int base = 0; base < n_blocks; base += RF_Q8_THREADS / 8) {
-        const int b = base + (int)(threadIdx.x >> 3);
+    {
+        const int b = blockIdx.y * RF_Q8_ROWS_BLOCKS + (int)(threadIdx.x >> 3);
         const bool live = b < n_blocks;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (live) {
@@ -380,4 +386,383 @@ void rf_gemm_q8_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w
                   const int8_t* RF_RESTRICT xq, const float* RF_RESTRICT xd, int n_rows,
                   int epilogue, const float* residual, float* out) {
     rf_gemm<rf_gemm_fmt_q8_0>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out);
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode-batch matmul (MMV): out[t, :] = W x[t, :] for a few activation rows t (up to
+// 8 * TW * MS per launch: the rows of a decode step), from the same
+// rf_quantize_q8_rows output as the GEMM, on the int8 matrix units with each weight
+// block loaded once for all rows. Every output is the canonical sum of rf_q8.h, so a
+// row's outputs are bit-identical here, in the GEMV and in the GEMM.
+//
+// A block owns one 16-row weight tile, the A operand of mma.m16n8k32 (one quant block
+// per mma: the scales are per block), activation rows in 8-row B tiles. Tile row g
+// (0..7) and g + 8 are one lane's pair of outputs: outputs 2g and 2g + 1 of the tile
+// (16 outputs; the _rope kernels rotate them as an (even, odd) pair), or with SwiGLU the
+// gate and up rows of output g (8 outputs). A lane loads bytes 4t..4t+3 of each of its
+// two rows' blocks: for Q4_0 the low nibbles are elements 4t..4t+3 (a0 / a1) and the
+// high nibbles 16 + 4t.. (a2 / a3), the GGUF order itself.
+//
+// The block's KS * MS warps split the work KS ways along k and MS ways along the rows
+// (TW B tiles each). Along k, warp w takes canonical-sum stages w, w + KS, ... in
+// rounds of RF_MMV_CHUNK(TW) stages: it computes each stage sum into shared memory and,
+// after each round, the block adds the round's stage sums to each output's total in
+// stage order. With KS = 1 a warp adds its stage sums itself. Warps are 32-lane groups,
+// whatever the hardware's warp size.
+//
+// Launch: rf_quantize_q8_rows over the rows first; then grid (ceil(n / outputs per tile)),
+// block 32 * KS * MS, no dynamic shared memory. n_rows <= 8 * TW * MS.
+
+#define RF_MMV_CHUNK 4  // stages a warp loads at once (and per round of the fold)
+#define RF_MMV_PITCH 20  // floats per activation row of a stage's sums: 16 + 4 (bank spread)
+#define RF_MMV_PLAIN 0
+#define RF_MMV_SWIGLU 1
+#define RF_MMV_ROPE 2
+
+// A lane's words of one (weight row, block) and their A-fragment halves (int8 in k order:
+// elements 4t..4t+3, then 16 + 4t..16 + 4t + 3).
+struct rf_mmv_q4_0 {
+    static constexpr int words = 1;
+    static constexpr int block_bytes = RF_QK / 2;
+    __device__ __forceinline__ static void load(uint32_t w[words], const uint8_t* block, int t) {
+        w[0] = *(const uint32_t*)(block + 4 * t);
+    }
+    __device__ __forceinline__ static void expand(const uint32_t w[words], uint32_t& lo, uint32_t& hi) {
+        lo = rf_gemm_nibbles_to_s8(w[0] & 0x0F0F0F0Fu);
+        hi = rf_gemm_nibbles_to_s8((w[0] >> 4) & 0x0F0F0F0Fu);
+    }
+};
+struct rf_mmv_q8_0 {
+    static constexpr int words = 2;
+    static constexpr int block_bytes = RF_QK;
+    __device__ __forceinline__ static void load(uint32_t w[words], const uint8_t* block, int t) {
+        w[0] = *(const uint32_t*)(block + 4 * t);
+        w[1] = *(const uint32_t*)(block + 16 + 4 * t);
+    }
+    __device__ __forceinline__ static void expand(const uint32_t w[words], uint32_t& lo, uint32_t& hi) {
+        lo = w[0];
+        hi = w[1];
+    }
+};
+
+// Weight row behind tile row r of tile `tile` (-1 past the matrix), and the output of the
+// lane pair (g, g + 8): its first output, 2 outputs per pair (1 with SwiGLU).
+template <int VARIANT>
+RF_DEVICE_INLINE int rf_mmv_out(int tile, int g) {
+    return VARIANT == RF_MMV_SWIGLU ? tile * 8 + g : tile * 16 + 2 * g;
+}
+template <int VARIANT>
+RF_DEVICE_INLINE int rf_mmv_weight_row(int tile, int r, int n) {
+    const int o = rf_mmv_out<VARIANT>(tile, r & 7);
+    if (VARIANT == RF_MMV_SWIGLU) {
+        return o < n ? o + (r >= 8 ? n : 0) : -1;
+    }
+    const int row = o + (r >> 3);
+    return row < n ? row : -1;
+}
+
+// Store the outputs of activation row m from the lane pair (g, g + 8), whose sums are y0
+// (tile row g) and y1 (tile row g + 8).
+template <int VARIANT>
+RF_DEVICE_INLINE void rf_mmv_store(int tile, int g, int m, float y0, float y1, int n,
+                                   int n_rows, int epilogue, const float* residual, float* out,
+                                   const rf_rope_out& rope) {
+    const int o = rf_mmv_out<VARIANT>(tile, g);
+    if (m >= n_rows || o >= n) {
+        return;
+    }
+    const int64_t at = (int64_t)m * n + o;
+    if (VARIANT == RF_MMV_SWIGLU) {
+        out[at] = rf_swiglu(y0, y1);
+    } else if (VARIANT == RF_MMV_ROPE) {
+        rf_rope_store(rope, m, o, y0, y1);
+    } else {
+        const bool add = epilogue == RF_EPILOGUE_RESIDUAL;
+        out[at] = add ? y0 + residual[at] : y0;
+        if (o + 1 < n) {
+            out[at + 1] = add ? y1 + residual[at + 1] : y1;
+        }
+    }
+}
+
+template <typename Format, int VARIANT, int TW, int KS, int MS>
+RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
+                             int n, int k, const int8_t* RF_RESTRICT xq,
+                             const float* RF_RESTRICT xd, int n_rows, int epilogue,
+                             const float* residual, float* out, const rf_rope_out& rope) {
+    constexpr int THREADS = 32 * KS * MS;
+    constexpr int M_PAD = 8 * TW * MS;  // activation rows of the block
+    constexpr int CH = RF_MMV_CHUNK;
+    constexpr int PAIRS = (M_PAD * 8 + THREADS - 1) / THREADS;  // lane pairs a thread folds
+    constexpr int SLOTS = KS > 1 ? KS * CH : 1;  // stage sums of one round
+    __shared__ __align__(16) float s_sums[SLOTS * M_PAD * RF_MMV_PITCH];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int ks = warp % KS, ms = warp / KS;
+    const int tile = blockIdx.x;
+    const int n_blocks = k / RF_QK;
+    const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
+    const int64_t row_bytes = (int64_t)n_blocks * Format::block_bytes;
+    int w_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        w_row[h] = rf_mmv_weight_row<VARIANT>(tile, g + 8 * h, n);
+    }
+    int x_row[TW];  // this lane's B-fragment row of each of the warp's tiles
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+        x_row[j] = (ms * TW + j) * 8 + g;
+    }
+
+    // One chunk: CH of this warp's stages, RF_Q8_STAGE blocks each.
+    uint32_t wq[CH][RF_Q8_STAGE][2][Format::words];
+    float wd[CH][RF_Q8_STAGE][2];
+    auto load_weights = [&](int chunk) {
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+#pragma unroll
+            for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                const int b = ((chunk * CH + i) * KS + ks) * RF_Q8_STAGE + h;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const bool live = w_row[r] >= 0 && b < n_blocks;
+                    if (live) {
+                        Format::load(wq[i][h][r], w_qs + w_row[r] * row_bytes + b * Format::block_bytes, t);
+                        wd[i][h][r] = rf_half_to_float(w_d[(int64_t)w_row[r] * n_blocks + b]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < Format::words; ++e) {
+                            wq[i][h][r][e] = 0u;
+                        }
+                        wd[i][h][r] = 0.0f;
+                    }
+                }
+            }
+        }
+    };
+    const int n_chunks = (n_stages + KS * CH - 1) / (KS * CH);
+    load_weights(0);  // in flight while the previous kernel finishes
+    rf_pdl_wait();
+
+    float acc[TW][4];  // KS == 1: the lane's totals (mma C layout)
+    float total[PAIRS][2];  // KS > 1: this thread's pairs' totals
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[j][e] = 0.0f;
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+        total[p][0] = total[p][1] = 0.0f;
+    }
+
+    for (int chunk = 0; chunk < n_chunks; ++chunk) {
+        if (chunk > 0) {
+            load_weights(chunk);
+        }
+        // The activations' fragments and scales of the chunk's blocks (L1/L2-resident).
+        uint32_t xb[CH][RF_Q8_STAGE][TW][2];
+        float dx[CH][RF_Q8_STAGE][TW][2];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+#pragma unroll
+            for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                const int b = ((chunk * CH + i) * KS + ks) * RF_Q8_STAGE + h;
+#pragma unroll
+                for (int j = 0; j < TW; ++j) {
+                    const bool live = x_row[j] < n_rows && b < n_blocks;
+                    const rf_gemm_u32x2 v =
+                        live ? *(const rf_gemm_u32x2*)(xq + (int64_t)x_row[j] * k + b * RF_QK + 8 * t)
+                             : rf_gemm_u32x2{{0u, 0u}};
+                    xb[i][h][j][0] = v.v[0];
+                    xb[i][h][j][1] = v.v[1];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int m = (ms * TW + j) * 8 + 2 * t + e;
+                        dx[i][h][j][e] = m < n_rows && b < n_blocks ? xd[(int64_t)m * n_blocks + b] : 0.0f;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            const int stage = (chunk * CH + i) * KS + ks;
+            float sum[TW][4];
+#pragma unroll
+            for (int j = 0; j < TW; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sum[j][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                if (stage * RF_Q8_STAGE + h < n_blocks) {
+                    uint32_t a[4];
+                    Format::expand(wq[i][h][0], a[0], a[2]);
+                    Format::expand(wq[i][h][1], a[1], a[3]);
+#pragma unroll
+                    for (int j = 0; j < TW; ++j) {
+                        int c[4] = {RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS,
+                                    RF_GEMM_BIAS_BITS};
+                        rf_mma_s8_m16n8k32(c, a, xb[i][h][j]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float dot = rf_int_as_float(c[e]) - RF_GEMM_BIAS_VALUE;
+                            sum[j][e] = rf_q8_stage_add(sum[j][e], wd[i][h][e >> 1], dx[i][h][j][e & 1], dot);
+                        }
+                    }
+                }
+            }
+            if (KS == 1) {
+                if (stage < n_stages) {
+#pragma unroll
+                    for (int j = 0; j < TW; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            acc[j][e] += sum[j][e];
+                        }
+                    }
+                }
+            } else {
+                // The stage's sums by (activation row, pair): {tile row g, tile row g + 8}.
+                float* slot = s_sums + (i * KS + ks) * M_PAD * RF_MMV_PITCH;
+#pragma unroll
+                for (int j = 0; j < TW; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int m = (ms * TW + j) * 8 + 2 * t + e;
+                        float* dst = slot + m * RF_MMV_PITCH + 2 * g;
+                        dst[0] = sum[j][e];
+                        dst[1] = sum[j][2 + e];
+                    }
+                }
+            }
+        }
+        if (KS > 1) {
+            // Add the round's stage sums to each output's total, in stage order.
+            __syncthreads();
+            const int round_stages = min(KS * CH, n_stages - chunk * KS * CH);
+#pragma unroll
+            for (int p = 0; p < PAIRS; ++p) {
+                const int pair = p * THREADS + tid;
+                if (pair < M_PAD * 8) {
+                    const float* src = s_sums + (pair >> 3) * RF_MMV_PITCH + 2 * (pair & 7);
+                    for (int s = 0; s < round_stages; ++s) {
+                        total[p][0] += src[s * M_PAD * RF_MMV_PITCH];
+                        total[p][1] += src[s * M_PAD * RF_MMV_PITCH + 1];
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    rf_pdl_launch_dependents();
+
+    if (KS == 1) {
+#pragma unroll
+        for (int j = 0; j < TW; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = (ms * TW + j) * 8 + 2 * t + e;
+                rf_mmv_store<VARIANT>(tile, g, m, acc[j][e], acc[j][2 + e], n, n_rows, epilogue,
+                                      residual, out, rope);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) {
+            const int pair = p * THREADS + tid;
+            if (pair < M_PAD * 8) {
+                rf_mmv_store<VARIANT>(tile, pair & 7, pair >> 3, total[p][0], total[p][1], n,
+                                      n_rows, epilogue, residual, out, rope);
+            }
+        }
+    }
+}
+
+#define RF_MMV_PARAMS                                                                     \
+    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
+        const int8_t *RF_RESTRICT xq, const float *RF_RESTRICT xd, int n_rows, int epilogue, \
+        const float *residual, float *out
+// The QKV projection with RoPE + KV-append (rf_rope.h) in place of the store.
+#define RF_MMV_ROPE_PARAMS                                                                \
+    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
+        const int8_t *RF_RESTRICT xq, const float *RF_RESTRICT xd, int n_rows,            \
+        const int32_t *positions, const int32_t *slots, const float *cos_table,           \
+        const float *sin_table, float *q_out, uint16_t *k_cache, uint16_t *v_cache,       \
+        int q_dim, int kv_dim, int head_dim, int rope_dims, int n_ctx
+#define RF_MMV_CALL(format, variant, tw, ks, ms)                                          \
+    rf_mmv<format, variant, tw, ks, ms>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, \
+                                        out, rf_rope_out{})
+#define RF_MMV_ROPE_CALL(format, tw, ks, ms)                                                      \
+    rf_mmv<format, RF_MMV_ROPE, tw, ks, ms>(                                                      \
+        w_qs, w_d, n, k, xq, xd, n_rows, RF_EPILOGUE_STORE, nullptr, nullptr,                     \
+        rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
+                    head_dim, rope_dims, n_ctx})
+
+// rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope] (block 32 * KS * MS) for up to 8 * TW * MS
+// rows: 8, 16, 32 and 64 (the shapes measured fastest for each on an H100, README.md).
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 2, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 1, 4);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 2, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 1, 4);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 1, 4);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k2_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 2, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k1_m4(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 1, 4);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k2_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 2, 2);
+}
+RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k1_m4_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 1, 4);
 }

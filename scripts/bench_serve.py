@@ -28,6 +28,14 @@ tokens/s, T_PP of our prefill-all ms, T_TG / T of our ITL; ratio = ours / S_TG. 
 llama.cpp recent enough that -fa takes on|off|auto. The daemon needs S sessions: a spawned
 one gets --max-sessions max(S) and --ctx-size P + T + 1.
 
+With --engine (and --spawn-daemon), the same rounds first run on an Engine in this process,
+without sockets or a daemon: S sessions opened together and scheduled as the daemon's step
+policy does (every decoding session, then prompt chunks oldest first within the step's
+token budget), the figures above measured around Engine.step, plus the host's cost per
+decode step: `engine_us` (Python outside the backend's step: batch building, token
+acceptance, stop checks, detokenization) and `issue_us` (the GPU backend issuing the step,
+up to its one synchronization).
+
 Writes JSON and a PNG (x: streams) to --out, and a table to stderr.
 
     python scripts/bench_serve.py --spawn-daemon models/llama-1b.gguf --backend cuda \\
@@ -36,10 +44,12 @@ Writes JSON and a PNG (x: streams) to --out, and a table to stderr.
 """
 
 import argparse
+import gc
 import shlex
 import shutil
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,6 +57,8 @@ from typing import Any
 from bench_ttft import against_daemon, daemon_view, one_request, token_prompt, write_report
 
 from clients.rocforge_client import ClientError, connect
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.session import Session
 from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench, positive_ints
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import ServerError
@@ -88,6 +100,107 @@ def run_round(
         i, e = errors[0]
         raise StreamFailed(f"stream {i + 1} of {streams} failed: {type(e).__name__}: {e}")
     return results  # type: ignore[return-value]
+
+
+def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: int) -> dict:
+    """One round of `streams` sessions on the engine alone: `summarize`'s figures and the
+    host microseconds per decode step (see the module docstring)."""
+    backend, n_vocab = engine.backend, engine.hparams.n_vocab
+    in_backend_ns = 0
+    run_step = backend.run_step
+
+    def timed_run_step(*a: Any) -> Any:
+        nonlocal in_backend_ns
+        start = time.perf_counter_ns()
+        try:
+            return run_step(*a)
+        finally:
+            in_backend_ns += time.perf_counter_ns() - start
+
+    sent = time.perf_counter()
+    sessions: list[Session] = []
+    times: dict[int, list[float]] = {}
+    for i in range(streams):
+        prompt = token_prompt(args.prompt_tokens, seed + i, n_vocab)["tokens"]
+        session = engine.open_session(prompt, max_tokens=args.max_tokens)
+        sessions.append(session)
+        times[id(session)] = []
+    if hasattr(backend, "reset_runtime_stats"):
+        backend.reset_runtime_stats()
+    backend.run_step = timed_run_step  # this instance only, for this round
+    decode_steps, decode_step_ns, decode_backend_ns = 0, 0, 0
+    try:
+        waiting = list(sessions)
+        while live := [s for s in sessions if not s.finished]:
+            decode = [s for s in live if s not in waiting]
+            left = engine.step_budget - len(decode)
+            chunks = []
+            for s in waiting:
+                if left <= 0:
+                    break
+                chunks.append((s, min(len(s.pending), left)))
+                left -= chunks[-1][1]
+            backend_before, start = in_backend_ns, time.perf_counter_ns()
+            events = engine.step(decode, chunks)
+            now = time.perf_counter()
+            if not chunks:
+                decode_steps += 1
+                decode_step_ns += time.perf_counter_ns() - start
+                decode_backend_ns += in_backend_ns - backend_before
+            for s in decode:
+                times[id(s)].append(now)
+            for (s, _), event in zip(chunks, events.prefilled, strict=True):
+                if event is not None:
+                    waiting.remove(s)
+                    times[id(s)].append(now)
+    finally:
+        del backend.run_step
+    stats = backend.runtime_stats() if hasattr(backend, "runtime_stats") else {}
+    results = []
+    for s in sessions:
+        engine.close_session(s)
+        at = times[id(s)]
+        results.append({
+            "prompt_tokens": args.prompt_tokens, "completion_tokens": len(at), "sent_at": sent,
+            "first_token_at": at[0], "last_token_at": at[-1], "ttft_ms": (at[0] - sent) * 1e3,
+            "itl_ms": [(b - a) * 1e3 for a, b in zip(at, at[1:], strict=False)],
+            "e2e_ms": (at[-1] - sent) * 1e3, "finish_reason": str(s.finish_reason),
+        })  # fmt: skip
+    run = summarize(results)
+    steps = max(decode_steps, 1)
+    run["host_per_decode_step"] = {
+        "steps": decode_steps,
+        "engine_us": (decode_step_ns - decode_backend_ns) / steps / 1e3,
+        "issue_us": stats.get("host_us_per_step"),
+    }
+    return run
+
+
+def engine_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """--engine: each stream count's round on an Engine in this process (after a warm-up)."""
+    engine = Engine.load(
+        args.spawn_daemon, backend=args.backend, n_slots=max(args.streams), n_ctx=args.ctx_size
+    )
+    runs = []
+    try:
+        for streams in args.streams:
+            warm = argparse.Namespace(**{**vars(args), "max_tokens": WARMUP_TOKENS})
+            engine_round(engine, warm, streams, 0)
+            run = engine_round(engine, args, streams, streams)
+            host = run["host_per_decode_step"]
+            print(
+                f"engine, streams {streams:>3}: decode {fmt(run['decode_tokens_per_s'], ',.1f')}"
+                f" tok/s | TTFT p50 {run['ttft_ms']['p50']:,.1f} ms"
+                f" | host per decode step: engine {host['engine_us']:,.1f} us,"
+                f" issue {fmt(host['issue_us'], ',.1f')} us",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs.append(run)
+    finally:
+        del engine
+        gc.collect()  # the daemon's engine needs the device memory
+    return runs
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,14 +292,16 @@ def fmt(value: float | None, spec: str) -> str:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| streams | ours decode tok/s | llama.cpp decode tok/s | ratio | TTFT p50/p99 ms"
-        " | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| streams | engine decode tok/s | ours decode tok/s | llama.cpp decode tok/s | ratio"
+        " | TTFT p50/p99 ms | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in report["runs"]:
         peer = run.get("llamacpp", {})
+        engine = run.get("engine", {})
         lines.append(
-            f"| {run['streams']} | {fmt(run['decode_tokens_per_s'], ',.1f')}"
+            f"| {run['streams']} | {fmt(engine.get('decode_tokens_per_s'), ',.1f')}"
+            f" | {fmt(run['decode_tokens_per_s'], ',.1f')}"
             f" | {fmt(peer.get('decode_tokens_per_s'), ',.1f')} | {fmt(run.get('ratio'), '.2f')}"
             f" | {run['ttft_ms']['p50']:,.1f} / {run['ttft_ms']['p99']:,.1f}"
             f" | {run['itl_ms']['p50']:,.2f} / {run['itl_ms']['p99']:,.2f}"
@@ -208,6 +323,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     peer = [r for r in runs if "llamacpp" in r]
     fig, (rate, latency) = plt.subplots(1, 2, figsize=(13, 5))
     rate.plot(x, [r["decode_tokens_per_s"] for r in runs], "o-", label="rocforge-rt (daemon)")
+    engine = [r for r in runs if "engine" in r]
+    if engine:
+        rate.plot([r["streams"] for r in engine],
+                  [r["engine"]["decode_tokens_per_s"] for r in engine], "^-",
+                  label="rocforge-rt (engine alone)")  # fmt: skip
     if peer:
         px = [r["streams"] for r in peer]
         rate.plot(px, [r["llamacpp"]["decode_tokens_per_s"] for r in peer], "s--",
@@ -267,6 +387,9 @@ def main() -> int:
     )
     parser.add_argument("--prompt-tokens", type=int, default=128, help="P, per stream")
     parser.add_argument("--max-tokens", type=int, default=128, help="T, new tokens per stream")
+    parser.add_argument(
+        "--engine", action="store_true", help="first, the same rounds on an Engine in-process"
+    )
     parser.add_argument("--llamacpp-batched", metavar="PATH", help="llama-batched-bench to run")
     parser.add_argument(
         "--llamacpp-args",
@@ -289,12 +412,18 @@ def main() -> int:
         if model is None:
             parser.error("--llamacpp-batched with --addr needs --model (the GGUF it serves)")
 
+    if args.engine and not args.spawn_daemon:
+        parser.error("--engine needs --spawn-daemon MODEL (the engine loads it in-process)")
+
     started = datetime.now(UTC)
     try:
+        engine_runs = engine_benchmark(args) if args.engine else []
         report = against_daemon(args, benchmark, max_sessions=max(args.streams))
     except (StreamFailed, ClientError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for run, engine_run in zip(report["runs"], engine_runs, strict=False):
+        run["engine"] = engine_run
     status = 0
     if args.llamacpp_batched:
         try:

@@ -13,7 +13,7 @@ from gpu_checks import hparams, rel_error, weight
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS
+from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
@@ -28,12 +28,12 @@ pytestmark = [
 def gpu():
     # Buffers sized for the largest shapes below: K up to 14336, N up to 3 * 3072.
     shapes = hparams(n_embd=14336, n_ff=14336, n_head=48, n_head_kv=48)
-    return create_backend("cuda", shapes, n_slots=1, n_ctx=64, max_tokens=8)
+    return create_backend("cuda", shapes, n_slots=1, n_ctx=64, max_tokens=MMV_MAX_ROWS)
 
 
 @pytest.mark.parametrize("k", [576, 1536, 2048, 4096, 14336])
 @pytest.mark.parametrize("n", [192, 576, 960, 3072])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, MMV_MAX_ROWS])  # the GEMV, then the MMV
 def test_q4_0_gemv_with_fused_rmsnorm_matches_the_cpu(gpu, k, n, rows):
     rng = np.random.default_rng(k * 7 + n * 3 + rows)
     w = weight(rng, n, k)
@@ -47,7 +47,7 @@ def test_q4_0_gemv_with_fused_rmsnorm_matches_the_cpu(gpu, k, n, rows):
     assert rel_error(got, normed @ dense.T) <= 2e-2
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 29])
 def test_gemv_residual_and_swiglu_epilogues_match_the_cpu(gpu, rows):
     rng = np.random.default_rng(rows)
     k, n_ff = 576, 1536

@@ -1,6 +1,6 @@
 """The prompt GEMMs against the CPU reference (run on a GPU machine).
 
-More than 8 activation rows take a GEMM instead of the decode GEMV: the int8 GEMM
+More than MMV_MAX_ROWS activation rows take a GEMM instead of the decode GEMV / MMV: the int8 GEMM
 (kernels/gemm.hip) when batch invariant, else the vendor GEMM in fp16
 (kernels/gemm_f16.hip + cuBLAS). Every op is compared with a
 reference of its own arithmetic (int8: the CPU backend's q8 activations; vendor: weights
@@ -20,7 +20,7 @@ from gpu_checks import hparams, rel_error, weight
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS
+from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -39,8 +39,8 @@ GEMMS = ("int8", "vendor")
 
 
 def row_counts(k: int, n: int) -> tuple[int, int]:
-    """An odd count past one 64-row tile (or just past the GEMV's 8) and 128."""
-    odd = GEMV_MAX_ROWS + 1 + (k + 3 * n) % 119
+    """An odd count past the MMV's rows (past one 64-row tile, or just past the MMV) and 128."""
+    odd = MMV_MAX_ROWS + 1 + (k + 3 * n) % 119
     return odd, 128
 
 
@@ -147,9 +147,9 @@ def test_gemm_swiglu_epilogue_matches_the_cpu(gpu, cpu, k, n_ff):
 
 
 @pytest.mark.parametrize("k", [576, 2048, 4096, 14336])
-@pytest.mark.parametrize("rows", [9, 64, 512, 4096])
+@pytest.mark.parametrize("rows", [MMV_MAX_ROWS + 1, 512, 4096])
 def test_gemm_at_prompt_chunk_sizes_matches_the_cpu(gpu, cpu, k, rows):
-    """Whole prompt chunks: 9 (just past the GEMV) to 4096 rows, over every K of the
+    """Whole prompt chunks: just past the MMV to 4096 rows, over every K of the
     1B/8B/SmolLM2 shapes."""
     rng = np.random.default_rng(k + rows)
     w = weight(rng, 960, k)
@@ -181,17 +181,17 @@ def test_gemm_over_q8_0_weights_matches_the_cpu(gpu, cpu, k, n):
 @pytest.mark.parametrize("k", [576, 608, 4096, 14336])  # 608: an odd block count
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
-    """Batch invariant, a row's outputs do not depend on the batch: the GEMV (one row, or
-    eight) and the GEMM (a prompt chunk) share one summation order (kernels/rf_q8.h), for
-    every epilogue."""
+    """Batch invariant, a row's outputs do not depend on the batch: the GEMV (one row), the
+    MMV (a decode batch: each kernel shape, whole and partial tiles) and the GEMM (a prompt
+    chunk) share one summation order (kernels/rf_q8.h), for every epilogue."""
     gpu = invariant_gpu
     rng = np.random.default_rng(k)
-    n = 960
+    n = 968  # not a whole number of 16-row tiles
     w = gpu.linear(weight(rng, n, k, qtype))
     gate_up = gpu.linear(weight(rng, n, k, qtype, "gate"), weight(rng, n, k, qtype, "up"))
     gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
     gain = gpu.vector(gain_tensor)
-    x = rng.standard_normal((GEMV_MAX_ROWS + 17, k)).astype(np.float32)
+    x = rng.standard_normal((MMV_MAX_ROWS + 17, k)).astype(np.float32)
     residual = rng.standard_normal((x.shape[0], n)).astype(np.float32)
 
     def run(rows: int) -> list[np.ndarray]:
@@ -201,24 +201,27 @@ def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
         added = gpu.to_host(gpu.matmul_add(upload(gpu, x[:rows]), w, res))
         return [norm, swiglu, added]
 
-    one, eight, chunk = run(1), run(GEMV_MAX_ROWS), run(x.shape[0])
-    for single, batch, prompt in zip(one, eight, chunk, strict=True):
-        assert np.array_equal(batch[:1], single)
-        assert np.array_equal(prompt[:GEMV_MAX_ROWS], batch)
+    chunk = run(x.shape[0])
+    for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
+        for batch, prompt in zip(run(rows), chunk, strict=True):
+            assert np.array_equal(batch, prompt[:rows]), rows
 
 
 def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
-    """The QKV GEMV's RoPE + KV-append epilogue (1 or 8 rows) and the GEMM + rope kernel
-    (a prompt chunk) write bit-identical q and KV rows, and both follow the CPU."""
+    """The QKV GEMV's and MMV's RoPE + KV-append epilogue (decode rows) and the GEMM + rope
+    kernel (a prompt chunk) write bit-identical q and KV rows, and both follow the CPU."""
     hp = hparams()
-    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=64, max_tokens=32, batch_invariant=True)
+    n_ctx, chunk_rows = 96, MMV_MAX_ROWS + 16
+    gpu = create_backend(
+        "cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=chunk_rows, batch_invariant=True
+    )
     rng = np.random.default_rng(12)
     parts = [weight(rng, n, hp.n_embd, name=name)
              for n, name in ((hp.q_dim, "q"), (hp.kv_dim_k, "k"), (hp.kv_dim_v, "v"))]  # fmt: skip
     gain_values = rng.uniform(0.5, 1.5, hp.n_embd).astype(np.float32)
     gain_tensor = WeightTensor("g", Q.F32, (hp.n_embd,), gain_values)
     wqkv, gain, dense = gpu.linear(*parts), gpu.vector(gain_tensor), cpu.linear(*parts)
-    x = rng.standard_normal((25, hp.n_embd)).astype(np.float32)
+    x = rng.standard_normal((chunk_rows, hp.n_embd)).astype(np.float32)
 
     def run(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
@@ -228,16 +231,16 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
         q = gpu.to_host(gpu.norm_qkv_rope(gpu.load_activation(x[:rows]), gain, wqkv, 0, batch))
         caches = []
         for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
-            host = np.empty((64, hp.kv_dim_k), dtype=np.float16)
+            host = np.empty((n_ctx, hp.kv_dim_k), dtype=np.float16)
             gpu.driver.copy_dtoh(host, buf)
             caches.append(host[3 : 3 + rows])
         return q, *caches
 
-    chunk = run(25)
-    for rows in (1, GEMV_MAX_ROWS):
+    chunk = run(chunk_rows)
+    for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
         for decode, prompt in zip(run(rows), chunk, strict=True):
-            assert np.array_equal(decode, prompt[:rows])
-    batch = StepBatch.prefill(list(range(25)), 3, 0)
+            assert np.array_equal(decode, prompt[:rows]), rows
+    batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
     q_ref = CpuBackend(hp, 1, 64).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3
 
@@ -318,16 +321,20 @@ def test_resident_weights_take_at_most_1_1x_the_gguf_tensor_bytes(synthetic_mode
     assert sum(buffers.values()) <= 1.1 * gguf_bytes
 
 
-def test_decode_batches_past_the_gemv_replay_the_vendor_gemm_in_their_graph(synthetic_model):
-    """12 sessions decode through the vendor GEMM; their graph (cuBLAS kernels captured
-    with the expansions) gives the same tokens and log-probabilities as eager steps."""
+@pytest.mark.parametrize("n_sessions", [12, MMV_MAX_ROWS + 2])
+def test_decode_batches_replay_in_their_graph(synthetic_model, n_sessions):
+    """12 sessions decode through the MMV, 66 through the vendor GEMM (cuBLAS kernels
+    captured with the expansions); the graph gives the same tokens and log-probabilities
+    as eager steps."""
     runs = []
     for mode in ("deferred", "graph"):
-        engine = Engine.load(synthetic_model, backend="cuda", n_ctx=64, n_slots=12, mode=mode)
+        engine = Engine.load(
+            synthetic_model, backend="cuda", n_ctx=64, n_slots=n_sessions, mode=mode
+        )
         engine.backend.matmul.vendor_min_flop = 0  # these small matmuls too
         rng = np.random.default_rng(4)
         sessions = [engine.open_session(rng.integers(0, 1000, 5).tolist(), max_tokens=6)
-                    for _ in range(12)]  # fmt: skip
+                    for _ in range(n_sessions)]  # fmt: skip
         for session in sessions:
             session.eog_ids = frozenset()
             engine.prefill(session)

@@ -25,7 +25,7 @@ from gpu_checks import hparams, weight
 
 from rocforge_rt.backends.gpu import kernel_constants
 from rocforge_rt.backends.gpu.backend import GpuBackend
-from rocforge_rt.backends.gpu.kernel_constants import KERNEL_DEFINES
+from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, KERNEL_DEFINES, MMV_MAX_ROWS
 from rocforge_rt.backends.gpu.kernel_library import (
     C_ARG_TYPES,
     KernelLibrary,
@@ -36,7 +36,12 @@ from rocforge_rt.backends.gpu.kernel_library import (
 )
 from rocforge_rt.backends.gpu.launch import ARG_TYPES
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.matmul import GEMV_MULTI_ROW_NO, GEMV_ROWS_PER_WARP
+from rocforge_rt.backends.gpu.matmul import (
+    GEMV_MULTI_ROW_NO,
+    GEMV_ROWS_PER_WARP,
+    MMV_SHAPES,
+    mmv_rows,
+)
 from rocforge_rt.errors import BackendError, KernelCompileError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
@@ -174,28 +179,33 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
         "rf_embed_q8_0_split", "rf_quantize_q8_rows", "rf_gemm_q4_0", "rf_rope_kv_append",
         "rf_attention_prefill", "rf_gemv_q4_0_b1_rope", "rf_gemv_q4_0_b8_rope",
         "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
-        "rf_sample_candidates", "rf_sample_advance", "rf_hold",
+        "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1_k8_m1",
+        "rf_mmv_q4_0_t1_k8_m1_swiglu", "rf_mmv_q4_0_t1_k8_m1_rope",
     }  # fmt: skip
 
 
 def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
     hp = hparams(n_vocab=512)
     sampled = RowSampling.of([Sampler(SamplingParams(temperature=1.0, logprobs=2))] * 2)
+    chunk = MMV_MAX_ROWS + 6
     batches = [
-        StepBatch.prefill(list(range(12)), 0, 0),  # the GEMM path
-        StepBatch.prefill(list(range(3)), 0, 1),  # the GEMV path
-        StepBatch.decode([1], [12], [0]),  # one row: the b1 GEMVs
-        *[StepBatch.decode([1, 2], [13 + i, 3 + i], [0, 1]) for i in range(3)],
-        *[StepBatch.decode([1, 2], [16 + i, 6 + i], [0, 1], sampled) for i in range(2)],
+        StepBatch.prefill(list(range(chunk)), 0, 0),  # the GEMM path
+        StepBatch.prefill(list(range(3)), 0, 1),  # the MMV path
+        StepBatch.decode([1], [chunk], [0]),  # one row: the b1 GEMVs
+        *[StepBatch.decode([1, 2], [chunk + 1 + i, 3 + i], [0, 1]) for i in range(3)],
+        *[StepBatch.decode([1, 2], [chunk + 4 + i, 6 + i], [0, 1], sampled) for i in range(2)],
     ]
     with FakeDriver(signatures()) as driver:
         gpu = GpuBackend(
-            driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16, mode=mode,
+            driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=chunk, mode=mode,
             batch_invariant=True,
         )  # fmt: skip
         model = random_model(gpu, hp, np.random.default_rng(1))
         gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
         for batch in batches:
+            gpu.run_step(batch, lambda b=batch: forward(gpu, model, b), want_logits=True)
+        gpu.matmul.mmv_min_rows = GEMV_MAX_ROWS + 1  # the multi-row GEMV (an A/B lever)
+        for batch in batches[-2:]:
             gpu.run_step(batch, lambda b=batch: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
 
@@ -216,6 +226,9 @@ def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
     return ModelWeights(table, [layer], norm(), gpu.linear(weight(rng, hp.n_vocab, hp.n_embd)))
 
 
+CHUNK = MMV_MAX_ROWS + 6  # a prompt chunk past the MMV's rows: the GEMM path
+
+
 class RecordingGemm:
     """Stands in for cuBLAS/hipBLAS: records each GEMM's arguments."""
 
@@ -231,18 +244,18 @@ class RecordingGemm:
 def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Not batch invariant, a 12-row chunk multiplies Q|K|V, O, gate|up and down once each
+    """Not batch invariant, a 70-row chunk multiplies Q|K|V, O, gate|up and down once each
     (the residual ones accumulating, gate|up into fp16) and the LM head in slabs of the fp16
     weight scratch that cover its rows once, each into its own band of output columns."""
     blas = RecordingGemm()
     monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
     hp = hparams(n_vocab=8192)
     with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16)
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK)
         assert not gpu.batch_invariant
         gpu.matmul.vendor_min_flop = 0  # this small model's matmuls too
         model = random_model(gpu, hp, np.random.default_rng(1))
-        batch = StepBatch.prefill(list(range(12)), 0, 0, "all")
+        batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
         gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
         kernels = {kernel for _, kernel, _ in driver.log}
         w16, w16_bytes, logits = (
@@ -256,7 +269,7 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
              (2 * hp.n_ff, 2 * hp.n_ff, False, True), (hp.n_embd,) * 2 + (True, False)]  # fmt: skip
     got = [(c["n"], c["out_pitch"], c["accumulate"], c["out_f16"]) for c in blas.calls]
     assert got[:4] == layer
-    assert all(c["rows"] == 12 and c["w_ptr"] == w16 for c in blas.calls)
+    assert all(c["rows"] == CHUNK and c["w_ptr"] == w16 for c in blas.calls)
     head = blas.calls[4:]
     slab = w16_bytes // (2 * hp.n_embd)
     assert [c["n"] for c in head] == [slab, slab, hp.n_vocab - 2 * slab]
@@ -267,21 +280,32 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
 
 
 def test_matmuls_below_vendor_min_flop_take_the_int8_gemm(monkeypatch: pytest.MonkeyPatch):
-    """Not batch invariant, a matmul takes the vendor GEMM from VENDOR_MIN_FLOP on; smaller
-    ones (here: 12 rows x the LM head of 8192 x 576 = 0.11 GFLOP) the int8 GEMM."""
+    """Not batch invariant, a prompt chunk's matmul takes the vendor GEMM from VENDOR_MIN_FLOP
+    on; smaller ones (here: 70 rows x the LM head of 8192 x 576 = 0.66 GFLOP) the int8 GEMM."""
     blas = RecordingGemm()
     monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
     hp = hparams(n_vocab=8192)
     with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=64, max_tokens=16)
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK)
         model = random_model(gpu, hp, np.random.default_rng(1))
-        batch = StepBatch.prefill(list(range(12)), 0, 0, "all")
-        gpu.matmul.vendor_min_flop = 2 * 12 * 8192 * 576  # the LM head's, the biggest
+        batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
+        gpu.matmul.vendor_min_flop = 2 * CHUNK * 8192 * 576  # the LM head's, the biggest
         gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
         kernels = [kernel for _, kernel, _ in driver.log]
     assert {c["out_pitch"] for c in blas.calls} == {8192}  # the LM head alone (in slabs)
     assert sum(c["n"] for c in blas.calls) == 8192
     assert kernels.count("rf_gemm_q4_0") == 4  # Q|K|V, O, gate|up, down
+
+
+def test_every_mmv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
+    declared = set(kernel_names((KERNELS / "gemm.hip").read_text()))
+    wanted = {
+        f"rf_mmv_{fmt}_t{tw}_k{ks}_m{ms}{variant}"
+        for (fmt, variant) in GEMV_ROWS_PER_WARP
+        for tw, ks, ms in MMV_SHAPES
+    }
+    assert wanted <= declared, sorted(wanted - declared)
+    assert mmv_rows(MMV_SHAPES[-1]) == MMV_MAX_ROWS
 
 
 def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
@@ -291,7 +315,7 @@ def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
         for (fmt, variant), choices in GEMV_ROWS_PER_WARP.items()
         for no in choices
     }
-    wanted |= {f"rf_gemv_{fmt}_b{kernel_constants.GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
+    wanted |= {f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
                f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
     assert wanted <= declared, sorted(wanted - declared)
 

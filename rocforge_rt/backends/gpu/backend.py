@@ -203,12 +203,12 @@ class GpuBackend:
     ) -> Activation:
         """q of the normalized QKV projection, rotated; k and v rotated into the KV pool.
 
-        Decode rows: one GEMV whose epilogue does RoPE + KV-append; a prompt chunk: the
-        GEMM, then the rope kernel (both store through kernels/rf_rope.h).
+        Decode rows: one GEMV or MMV whose epilogue does RoPE + KV-append; a prompt chunk:
+        the GEMM, then the rope kernel (all store through kernels/rf_rope.h).
         """
         if x.rows >= self.matmul.gemm_min_rows:
             return self.rope_kv_append(self.norm_matmul(x, norm, weight), layer, batch)
-        self.matmul.gemv(weight, x, weight.n, gain=norm, rope_layer=layer)
+        self.matmul(weight, x, weight.n, 0, gain=norm, rope_layer=layer)
         return Activation(self.workspace.q, x.rows, self.hparams.q_dim)
 
     def rope_kv_append(self, qkv: Activation, layer: int, batch: StepBatch) -> Activation:

@@ -24,8 +24,10 @@ Q8_NORM_THREADS = 256  # threads that share a row's sum of squares (it fixes the
 # Matmuls (kernels/gemv.hip, kernels/gemm.hip).
 EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
 GEMV_THREADS = Q8_NORM_THREADS  # a GEMV block normalizes its rows itself
-GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes; more take the prefill GEMM
-Q8_ROWS_THREADS = Q8_NORM_THREADS  # rf_quantize_q8_rows, the GEMM's prologue
+GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes
+MMV_MAX_ROWS = 64  # activation rows one rf_mmv launch takes; more take a prompt GEMM
+Q8_ROWS_THREADS = Q8_NORM_THREADS  # rf_quantize_q8_rows, the GEMM's and MMV's prologue
+Q8_ROWS_BLOCKS = Q8_ROWS_THREADS // 8  # quant blocks of a row one of its blocks takes
 GEMM_THREADS, GEMM_TILE_N, GEMM_TILE_M = 128, 128, 64  # SwiGLU tiles hold TILE_N / 2 outputs
 F16_THREADS = 256  # kernels/gemm_f16.hip: the vendor GEMM's operand and epilogue kernels
 DEQUANT_PART = 8  # fp16 elements one rf_dequant_f16 thread writes (a 16-byte store)
@@ -64,6 +66,7 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_EPILOGUE_RESIDUAL": EPILOGUE_RESIDUAL,
     "RF_EPILOGUE_SWIGLU": EPILOGUE_SWIGLU,
     "RF_GEMV_MAX_ROWS": GEMV_MAX_ROWS,
+    "RF_Q8_ROWS_BLOCKS": Q8_ROWS_BLOCKS,
     "RF_GEMM_THREADS": GEMM_THREADS,
     "RF_GEMM_TILE_N": GEMM_TILE_N,
     "RF_GEMM_TILE_M": GEMM_TILE_M,

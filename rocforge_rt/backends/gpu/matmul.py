@@ -1,18 +1,22 @@
-"""Quantized matmuls: weights repacked at load, the decode GEMV and the prompt GEMMs.
+"""Quantized matmuls: weights repacked at load, the decode GEMV and MMV, the prompt GEMMs.
 
-kernels/gemv.hip takes up to GEMV_MAX_ROWS activation rows (decode, short chunks).
-More rows take one of two GEMMs:
-- the vendor GEMM (the default for matmuls of VENDOR_MIN_FLOP or more): the matrix, or a
-  slab of its rows, expanded to fp16 and multiplied by cuBLAS / hipBLAS (vendor_blas.py)
-  with fp32 accumulation (kernels/gemm_f16.hip holds the operand and SwiGLU kernels).
-  Measured on an H100 it is 1.3-2x faster than the int8 GEMM on the 1B and 8B shapes
-  from 16 rows on; smaller matmuls are bound by the host's launches, of which it takes
-  more (README.md, "Measured");
-- the int8 GEMM (kernels/gemm.hip), whose arithmetic is the GEMV's, so a row's outputs
-  do not depend on the rows beside it: with `batch_invariant` every row count takes it.
-All RMS-normalize their rows with a gain when given one and end in an epilogue (store,
-residual add, SwiGLU); the QKV GEMV's epilogue can instead rotate q, k, v and append
-k, v to the KV pool (kernels/rf_rope.h).
+By activation rows:
+- one row (batch-1 decode): kernels/gemv.hip, dp4a dot products;
+- 2 to MMV_MAX_ROWS rows (a decode batch, short chunks): rf_mmv (kernels/gemm.hip), the
+  rows quantized once, then each weight block loaded once for all rows and multiplied on
+  the int8 matrix units;
+- more rows take one of two GEMMs:
+  - the vendor GEMM (the default for matmuls of VENDOR_MIN_FLOP or more): the matrix, or a
+    slab of its rows, expanded to fp16 and multiplied by cuBLAS / hipBLAS
+    (vendor_blas.py) with fp32 accumulation (kernels/gemm_f16.hip holds the operand and
+    SwiGLU kernels). Measured on an H100 it is 1.3-2x faster than the int8 GEMM on the
+    1B and 8B shapes from 16 rows on; smaller matmuls are bound by the host's launches,
+    of which it takes more (README.md, "Measured");
+  - the int8 GEMM (kernels/gemm.hip): with `batch_invariant` every row count takes it.
+The GEMV, the MMV and the int8 GEMM share one arithmetic (kernels/rf_q8.h), so a row's
+outputs do not depend on the rows computed beside it. All RMS-normalize their rows with a
+gain when given one and end in an epilogue (store, residual add, SwiGLU); the GEMV's and
+MMV's epilogue can instead rotate q, k, v and append k, v to the KV pool (kernels/rf_rope.h).
 """
 
 import math
@@ -34,9 +38,11 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     GEMM_TILE_N,
     GEMV_MAX_ROWS,
     GEMV_THREADS,
+    MMV_MAX_ROWS,
     Q4_0_BLOCK_BYTES,
     Q8_0_BLOCK_BYTES,
     Q8_NORM_THREADS,
+    Q8_ROWS_BLOCKS,
     Q8_ROWS_THREADS,
     Q8_STAGE,
     QK,
@@ -63,6 +69,23 @@ GEMV_ROWS_PER_WARP = {
 GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
 GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
+
+# rf_mmv_<fmt>_t<TW>_k<KS>_m<MS> kernels (TW, KS, MS), fewest rows first: a block's KS * MS
+# warps split k KS ways and the rows MS ways, TW 8-row tiles a warp (kernels/gemm.hip).
+# Measured on an H100 (Llama-1B shape, a decode step at 8 / 16 / 32 / 64 rows): these take
+# 1.62 / 2.49 / 4.00 / 5.88 ms; 4-warp blocks (1, 4, 1) took 1.88 ms at 8 rows, and more
+# warps of one tile each 4.27 ms at 32 rows (1, 4, 4) and 7.81 at 64 (1, 2, 8): each
+# unpacks the same weights for fewer rows.
+MMV_SHAPES = ((1, 8, 1), (1, 8, 2), (2, 2, 2), (2, 1, 4))
+MMV_TILE = 16  # weight rows of a block: the mma's M (outputs: 16, or 8 gate|up pairs)
+MMV_MIN_ROWS = 2  # fewer rows take the GEMV
+
+
+def mmv_rows(shape: tuple[int, int, int]) -> int:
+    """The most activation rows an rf_mmv kernel of this (TW, KS, MS) takes."""
+    tw, _, ms = shape
+    return 8 * tw * ms
+
 
 # Multiply-adds x 2 from which a matmul takes the vendor GEMM when not batch invariant
 # (below, the int8 GEMM's two launches cost the host less than the vendor path's three or
@@ -123,7 +146,7 @@ def repack_rows(tensors: Sequence[WeightTensor]) -> tuple[str, np.ndarray, np.nd
 
 
 class Matmul:
-    """out = W x over activation rows: the GEMV for up to GEMV_MAX_ROWS rows, else the GEMM."""
+    """out = W x over activation rows: the GEMV for one, the MMV for a few, else a GEMM."""
 
     def __init__(
         self,
@@ -145,6 +168,7 @@ class Matmul:
         self.max_tokens = max_tokens
         self.vendor_gemm = vendor_gemm
         self.vendor_min_flop = VENDOR_MIN_FLOP
+        self.mmv_min_rows = MMV_MIN_ROWS
         self.use_prefill_gemm = True
         self.batch_invariant = vendor_gemm is None
 
@@ -169,7 +193,7 @@ class Matmul:
     def use_prefill_gemm(self, value: bool) -> None:
         self._use_prefill_gemm = value
         # The fewest activation rows that take the GEMM (compared on the hot path).
-        self.gemm_min_rows = GEMV_MAX_ROWS + 1 if value else math.inf
+        self.gemm_min_rows = MMV_MAX_ROWS + 1 if value else math.inf
 
     def __call__(
         self,
@@ -181,17 +205,25 @@ class Matmul:
         gain: Any = None,
         epilogue: int = EPILOGUE_STORE,
         residual_ptr: int = 0,
+        rope_layer: int | None = None,
     ) -> None:
-        """out = W x: the GEMV for up to GEMV_MAX_ROWS rows, a GEMM for prompt chunks."""
+        """out = W x: the GEMV for one row, the MMV for up to MMV_MAX_ROWS, else a GEMM.
+
+        `rope_layer` (fewer than `gemm_min_rows` rows): the outputs are that layer's
+        Q|K|V rows, rotated into the workspace's `q` and the KV pool (see `gemv`).
+        """
         if x.rows >= self.gemm_min_rows:
+            if rope_layer is not None:
+                raise BackendError("the prompt GEMMs do not rotate: run the rope kernel after")
             vendor = not self._batch_invariant and (
                 2 * x.rows * matrix.n * matrix.k >= self.vendor_min_flop
             )
             gemm = self.vendor if vendor else self.gemm
             gemm(matrix, x, n_out, out_ptr, gain, epilogue, residual_ptr)
-        else:
-            self.gemv(matrix, x, n_out, out_ptr, gain=gain, epilogue=epilogue,
-                      residual_ptr=residual_ptr)  # fmt: skip
+            return
+        small = self.mmv if x.rows >= self.mmv_min_rows else self.gemv
+        small(matrix, x, n_out, out_ptr, gain=gain, epilogue=epilogue, residual_ptr=residual_ptr,
+              rope_layer=rope_layer)  # fmt: skip
 
     def gemv(
         self,
@@ -278,6 +310,57 @@ class Matmul:
                 f"({self.max_tokens} x {self.ws.gemm_max_k})"
             )
 
+    def _quantize_rows(self, x_ptr: int, rows: int, k: int, gain: Any) -> None:
+        """Normalize (with a gain) and quantize rows to q8 into the workspace's `xq`/`xq_d`."""
+        gain_ptr = gain.ptr if gain is not None else 0
+        self._launch(
+            ("q8rows", x_ptr, rows, k, gain_ptr),
+            "rf_quantize_q8_rows",
+            (rows, math.ceil(k // QK / Q8_ROWS_BLOCKS), 1),
+            (Q8_ROWS_THREADS, 1, 1),
+            (x_ptr, k, gain_ptr, self.hparams.rms_eps, self.ws.xq.ptr, self.ws.xq_d.ptr),
+        )
+
+    def mmv(
+        self,
+        matrix: DeviceMatrix,
+        x: Activation,
+        n_out: int,
+        out_ptr: int = 0,
+        *,
+        gain: Any = None,
+        epilogue: int = EPILOGUE_STORE,
+        residual_ptr: int = 0,
+        rope_layer: int | None = None,
+    ) -> None:
+        """out = W x for a few activation rows (rf_mmv, kernels/gemm.hip), the GEMV's
+        arithmetic: MMV_MAX_ROWS rows per launch, each quantized once into the workspace's
+        `xq`/`xq_d` first; the narrowest kernel shape that takes them. `rope_layer` as in
+        `gemv`."""
+        k = matrix.k
+        self._check_fits(min(x.rows, MMV_MAX_ROWS), k)
+        variant = "_rope" if rope_layer is not None else ""
+        variant = "_swiglu" if epilogue == EPILOGUE_SWIGLU else variant
+        outputs_per_block = MMV_TILE // 2 if epilogue == EPILOGUE_SWIGLU else MMV_TILE
+        for first in range(0, x.rows, MMV_MAX_ROWS):
+            rows = min(MMV_MAX_ROWS, x.rows - first)
+            self._quantize_rows(x.ptr + first * k * 4, rows, k, gain)
+            tw, ks, ms = next(shape for shape in MMV_SHAPES if mmv_rows(shape) >= rows)
+            out_offset = first * n_out * 4
+            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, self.ws.xq.ptr, self.ws.xq_d.ptr, rows)
+            if rope_layer is None:
+                residual = residual_ptr + out_offset if residual_ptr else 0
+                tail = (epilogue, residual, out_ptr + out_offset)
+            else:
+                tail = self._rope_args(rope_layer, first)
+            self._launch(
+                ("mmv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
+                f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}",
+                (math.ceil(n_out / outputs_per_block), 1, 1),
+                (32 * ks * ms, 1, 1),
+                head + tail,
+            )
+
     def gemm(
         self,
         matrix: DeviceMatrix,
@@ -297,14 +380,7 @@ class Matmul:
         k = matrix.k
         ws = self.ws
         self._check_fits(x.rows, k)
-        gain_ptr = gain.ptr if gain is not None else 0
-        self._launch(
-            ("q8rows", x.ptr, x.rows, k, gain_ptr),
-            "rf_quantize_q8_rows",
-            (x.rows, 1, 1),
-            (Q8_ROWS_THREADS, 1, 1),
-            (x.ptr, k, gain_ptr, self.hparams.rms_eps, ws.xq.ptr, ws.xq_d.ptr),
-        )
+        self._quantize_rows(x.ptr, x.rows, k, gain)
         tile_n = GEMM_TILE_N // 2 if epilogue == EPILOGUE_SWIGLU else GEMM_TILE_N
         self._launch(
             ("gemm", matrix.qs.ptr, epilogue, x.rows, out_ptr),

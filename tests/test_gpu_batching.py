@@ -1,0 +1,63 @@
+"""Many streams on the GPU: a session's tokens do not depend on who else is in the batch.
+
+Decode batches take the MMV (2 to MMV_MAX_ROWS rows, kernels/gemm.hip) and a lone session
+the GEMV; both follow one summation order (kernels/rf_q8.h), and attention reads each
+row's own slot, so greedy tokens and their log-probabilities are the same alone and in
+batches that grow and shrink as sessions start and finish. Run on a GPU machine.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.session import Session
+from rocforge_rt.model.synthetic import write_synthetic_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(cuda.device_count() == 0, reason="no CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
+    return write_synthetic_model("smollm2-135m", path, seed=8, progress=False)
+
+
+def prompts(n: int, n_vocab: int) -> list[list[int]]:
+    """Prompts of different lengths (3 to 60 tokens), so rows sit at different positions."""
+    rng = np.random.default_rng(n)
+    return [rng.integers(0, n_vocab, 3 + (17 * i) % 58).tolist() for i in range(n)]
+
+
+def generate(engine: Engine, batch: list[list[int]], max_tokens: list[int]) -> list[list]:
+    """Each prompt prefilled alone, then all decoded together until each has its tokens;
+    the (token, log-probability) pairs of each."""
+    sessions: list[Session] = []
+    for prompt, n in zip(batch, max_tokens, strict=True):
+        session = engine.open_session(prompt, max_tokens=n)
+        session.eog_ids = frozenset()  # random weights: keep going past an end token
+        sessions.append(session)
+    events = {id(s): [engine.prefill(s)] for s in sessions}
+    while live := [s for s in sessions if not s.finished]:
+        for session, event in zip(live, engine.decode(live), strict=True):
+            events[id(session)].append(event)
+    for session in sessions:
+        engine.close_session(session)
+    return [[(e.token, e.logprob) for e in events[id(s)]] for s in sessions]
+
+
+@pytest.mark.parametrize("n_sessions", [8, 40])
+def test_greedy_tokens_are_the_same_alone_and_in_a_batch(synthetic_model, n_sessions):
+    """Alone, each session decodes one row a step (the GEMV); together, n_sessions rows
+    (the MMV) that shrink as sessions with fewer tokens finish, down to one."""
+    engine = Engine.load(synthetic_model, backend="cuda", n_slots=n_sessions, n_ctx=128)
+    batch = prompts(n_sessions, engine.hparams.n_vocab)
+    max_tokens = [4 + (5 * i) % 13 for i in range(n_sessions)]
+    together = generate(engine, batch, max_tokens)
+    for i, (prompt, n) in enumerate(zip(batch, max_tokens, strict=True)):
+        assert generate(engine, [prompt], [n]) == [together[i]], i
