@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model (built on first use) and its source GGUF."""
+"""Shared fixtures: the default model (built on first use) and its source GGUF, synthetic
+models, the GPU driver."""
 
 from pathlib import Path
 
@@ -39,6 +40,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_model(
         "tiny", tmp_path_factory.mktemp("models") / "tiny.gguf", seed=1, progress=False
     )
+
+
+@pytest.fixture(scope="session")
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of the SmolLM2-135M shape (30 layers, 9/3 heads of 64), the
+    GPU tests' model: the `tiny` shape's head dim (16) is below the attention kernels'."""
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
+    return write_synthetic_model("smollm2-135m", path, seed=3, progress=False)
 
 
 @pytest.fixture(scope="session")

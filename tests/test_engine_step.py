@@ -1,20 +1,30 @@
 """One scheduler step for everything (Engine.step): decode rows and prompt chunks of several
-sessions in one forward pass give each session the tokens it gets in steps of its own."""
+sessions in one forward pass give each session the tokens it gets in steps of its own, on the
+CPU and (batch invariant) on a GPU."""
 
 import pytest
 
+from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.step.batch import SequencePart, StepBatch
 from rocforge_rt.step.sampling import SamplingParams
 
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 64, 128, 2, 9], [200, 31, 8, 77, 15, 140, 6, 90, 4]]
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 64, 128, 2, 9], [200, 31, 8, 77, 15, 140, 6, 90, 4],
+           list(range(30, 51))]  # fmt: skip
 SAMPLING = SamplingParams(temperature=0.9, top_k=20, seed=7, logprobs=3)
+GPU = [pytest.mark.gpu, pytest.mark.skipif(cuda.device_count() == 0, reason="no CUDA device")]
 
 
-@pytest.fixture()
-def engine(tiny_model) -> Engine:
-    return Engine.load(tiny_model, backend="cpu", n_slots=4, n_ctx=64)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=GPU)])
+def engine(request) -> Engine:
+    """4 slots of 64 positions: the tiny model on the CPU; on a GPU the SmolLM2-shape model
+    (the attention kernels take no head dim below 32), batch invariant."""
+    if request.param == "cpu":
+        model = request.getfixturevalue("tiny_model")
+        return Engine.load(model, backend="cpu", n_slots=4, n_ctx=64)
+    model = request.getfixturevalue("synthetic_model")
+    return Engine.load(model, backend="cuda", n_slots=4, n_ctx=64, batch_invariant=True)
 
 
 def alone(engine: Engine, prompt: list[int], n: int) -> list[tuple]:
@@ -40,11 +50,12 @@ def test_ragged_rows_put_every_logits_row_last_and_keep_each_sequence_in_order()
     assert batch.logit_rows.tolist() == [4, 5] and batch.sampling.rows == 2
 
 
+@pytest.mark.parametrize("chunk", [3, 16])  # 16: a chunk past the GEMV's 8 rows beside short ones
 @pytest.mark.parametrize("ragged", [True, False])
 def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(
-    engine, ragged, monkeypatch
+    engine, ragged, chunk, monkeypatch
 ):
-    """Three sessions' prompts, chunked in several steps while earlier sessions decode, give
+    """Four sessions' prompts, chunked in several steps while earlier sessions decode, give
     each session exactly the tokens, log-probabilities and alternatives it gets alone, each
     step one forward pass (a backend without ragged steps runs the same schedule pass by
     pass)."""
@@ -53,17 +64,18 @@ def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(
     passes = []
     run = engine._run
     monkeypatch.setattr(engine, "_run", lambda *a: passes.append(a[0].n_tokens) or run(*a))
-    steps = 0
+    steps: list[list[int]] = []  # the passes of each step (their rows)
     sessions = [engine.open_session(p, sampling=SAMPLING, max_tokens=6) for p in PROMPTS]
     for s in sessions:
         s.eog_ids = frozenset()
     got: list[list[tuple]] = [[] for _ in sessions]
     decoding: list[int] = []
     while any(not s.finished for s in sessions):
-        chunks = [(i, min(3, len(s.pending))) for i, s in enumerate(sessions)
+        chunks = [(i, min(chunk, len(s.pending))) for i, s in enumerate(sessions)
                   if i not in decoding and not s.finished]  # fmt: skip
+        before = len(passes)
         out = engine.step([sessions[i] for i in decoding], [(sessions[i], n) for i, n in chunks])
-        steps += 1
+        steps.append(passes[before:])
         for i, event in zip(decoding, out.decoded, strict=True):
             got[i].append((event.token, event.logprob, event.top_logprobs))
         for (i, _), event in zip(chunks, out.prefilled, strict=True):
@@ -72,8 +84,9 @@ def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(
                 decoding.append(i)
         decoding = [i for i in decoding if not sessions[i].finished]
     assert got == expected
-    assert (len(passes) == steps) if ragged else (len(passes) > steps)
-    assert max(passes) == (9 if ragged else 3)  # the first step: 3 prompt chunks of 3
+    first_chunks = [min(chunk, len(p)) for p in PROMPTS]  # what the first step takes of each
+    assert steps[0] == ([sum(first_chunks)] if ragged else first_chunks)
+    assert all(len(s) == 1 for s in steps) if ragged else any(len(s) > 1 for s in steps)
 
 
 def test_a_chunk_that_does_not_end_its_prompt_samples_nothing(engine):

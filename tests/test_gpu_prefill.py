@@ -10,8 +10,6 @@ batch-invariant prompt's last logits from one prefill chunk equal those of the s
 prompt finished by a decode step, and both GEMMs follow the CPU engine.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -24,7 +22,6 @@ from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROW
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
-from rocforge_rt.model.synthetic import write_synthetic_model
 from rocforge_rt.step.batch import StepBatch
 
 pytestmark = [
@@ -243,13 +240,6 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
     batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
     q_ref = CpuBackend(hp, 1, 64).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3
-
-
-@pytest.fixture(scope="module")
-def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight model of the SmolLM2-135M shape (30 layers, 9/3 heads of 64)."""
-    path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
-    return write_synthetic_model("smollm2-135m", path, seed=3, progress=False)
 
 
 def test_batch_invariant_prefill_chunk_equals_prefill_then_decode(synthetic_model):

@@ -120,15 +120,6 @@ class StepBatch:
         return int(self.tokens.shape[0])
 
     @property
-    def is_chunk(self) -> bool:
-        """Whether these are consecutive tokens of one sequence (a prompt chunk)."""
-        slots, positions = self.slots, self.positions
-        if not len(slots):
-            return False
-        consecutive = np.array_equal(positions, positions[0] + np.arange(len(positions)))
-        return bool(consecutive and np.all(slots == slots[0]))
-
-    @property
     def draw_positions(self) -> np.ndarray:
         """int32 [B]: the context position of the token each logits row draws."""
         return self.positions[self.logit_rows] + 1

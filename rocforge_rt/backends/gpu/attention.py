@@ -2,13 +2,17 @@
 
 Both run one arithmetic on the fp16 matrix units (64-position key tiles folded in
 order) and read each K/V row once for a KV head's group of query heads, so a token
-gets the same bits from either: a prompt chunk past GEMV_MAX_ROWS tokens takes the
-prefill kernel (FlashAttention-2 style, K/V tiles shared by its tokens), anything else
-the decode kernel (a block per tile, folded by the last block to finish).
+gets the same bits from either. A step's rows are split into runs (rows of one slot
+at consecutive positions): a run past GEMV_MAX_ROWS tokens (a prompt chunk) takes the
+prefill kernel (FlashAttention-2 style, K/V tiles shared by its tokens), the rows
+between such runs the decode kernel (a block per tile, folded by the last block to
+finish), in pieces of at most the workspace's `attn_decode_rows`. Each launch reads
+its rows through pointers advanced to its first row, so a ragged step (several
+sequences' prompt chunks and decode rows) is one pass; a decode step is one launch.
 """
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,6 +49,42 @@ def check_attention_shapes(hp: HParams) -> None:
         raise BackendError("the GPU attention kernel cannot run this model: " + "; ".join(problems))
 
 
+class AttentionRange(NamedTuple):
+    """Rows [first, first + rows) of a step, for one attention launch."""
+
+    prefill: bool  # one slot's consecutive positions (the prefill kernel); else decode rows
+    first: int
+    rows: int
+
+
+def attention_ranges(
+    slots: np.ndarray, positions: np.ndarray, decode_rows: int
+) -> list[AttentionRange]:
+    """A step's rows as attention launches, in row order: every run (rows of one slot at
+    consecutive positions) longer than GEMV_MAX_ROWS a prefill launch; the rows between
+    those runs decode launches of at most `decode_rows` rows."""
+    n = len(slots)
+    breaks = np.flatnonzero((slots[1:] != slots[:-1]) | (positions[1:] != positions[:-1] + 1))
+    starts = np.concatenate(([0], breaks + 1))
+    lengths = np.diff(np.append(starts, n))
+    long = lengths > GEMV_MAX_ROWS
+    ranges: list[AttentionRange] = []
+    done = 0  # rows placed so far
+    for first, rows in zip(starts[long].tolist(), lengths[long].tolist(), strict=True):
+        ranges += _decode_pieces(done, first, decode_rows)
+        ranges.append(AttentionRange(True, first, rows))
+        done = first + rows
+    return ranges + _decode_pieces(done, n, decode_rows)
+
+
+def _decode_pieces(first: int, end: int, decode_rows: int) -> list[AttentionRange]:
+    """Rows [first, end) in decode launches of at most `decode_rows` rows."""
+    return [
+        AttentionRange(False, row, min(decode_rows, end - row))
+        for row in range(first, end, decode_rows)
+    ]
+
+
 class Attention:
     """Each token's query heads over its slot's cache, into the workspace's `attn`."""
 
@@ -56,51 +96,59 @@ class Attention:
         self.ws = workspace
         self.hparams = hparams
         self.n_ctx = n_ctx
+        self.qscale = float(np.float32(LOG2_E / math.sqrt(hparams.head_dim_k)))
+        # The launches of the step being issued (every layer's are the same).
+        self._ranges: tuple[StepBatch | None, list[AttentionRange]] = (None, [])
 
     def __call__(self, q: Activation, layer: int, batch: StepBatch) -> Activation:
-        """Each token over its slot's cache: a prompt chunk past GEMV_MAX_ROWS takes the
-        prefill kernel, anything else the decode kernel; both give a token the same bits
-        (kernels/attention.hip)."""
+        """Each token over its slot's cache: runs of one slot's consecutive positions past
+        GEMV_MAX_ROWS rows take the prefill kernel, the other rows the decode kernel; both
+        give a token the same bits (kernels/attention.hip)."""
+        for index, launch in enumerate(self._step_ranges(batch)):
+            run = self._prefill if launch.prefill else self._decode
+            run(q, layer, index, launch.first, launch.rows)
+        hp = self.hparams
+        return Activation(self.ws.attn, q.rows, hp.n_head * hp.head_dim_v)
+
+    def _step_ranges(self, batch: StepBatch) -> list[AttentionRange]:
+        """The batch's attention launches, computed once for all its layers."""
+        planned, ranges = self._ranges
+        if planned is not batch:
+            ranges = attention_ranges(batch.slots, batch.positions, self.ws.attn_decode_rows)
+            self._ranges = (batch, ranges)
+        return ranges
+
+    def _row_pointers(self, q: Activation, first: int) -> tuple[int, int, int, int]:
+        """q, positions, slots and the output, each advanced to row `first`."""
         hp, ws = self.hparams, self.ws
-        qscale = float(np.float32(LOG2_E / math.sqrt(hp.head_dim_k)))
-        block = (ATTN_WARPS * 32, 1, 1)  # 32-lane groups, whatever the warp size
-        if q.rows > GEMV_MAX_ROWS and batch.is_chunk:
-            tokens = ATTN_PREFILL_ROWS // hp.gqa_group  # rows (token, head of the group)
-            self._launch(
-                ("attention-prefill", layer, q.rows),
-                f"rf_attention_prefill_d{hp.head_dim_k}",
-                (hp.n_head_kv, math.ceil(q.rows / tokens), 1),
-                block,
-                (q.ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, ws.step_positions.ptr,
-                 ws.step_slots.ptr, q.rows, self.n_ctx, hp.n_head, hp.n_head_kv, qscale,
-                 ws.attn.ptr),
-            )  # fmt: skip
-            return Activation(ws.attn, q.rows, hp.n_head * hp.head_dim_v)
-        if q.rows > ws.attn_decode_rows:
-            raise BackendError(
-                f"{q.rows} tokens of several sequences in one step; decode attention takes "
-                f"{ws.attn_decode_rows}"
-            )
+        out_row = hp.n_head * hp.head_dim_v * 4
+        return (q.ptr + first * q.width * 4, ws.step_positions.ptr + first * 4,
+                ws.step_slots.ptr + first * 4, ws.attn.ptr + first * out_row)  # fmt: skip
+
+    def _prefill(self, q: Activation, layer: int, index: int, first: int, rows: int) -> None:
+        """A prompt chunk's rows (one slot, consecutive positions) on the prefill kernel."""
+        hp, ws = self.hparams, self.ws
+        q_ptr, positions, slots, out = self._row_pointers(q, first)
+        tokens = ATTN_PREFILL_ROWS // hp.gqa_group  # rows (token, head of the group)
         self._launch(
-            ("attention", layer, q.rows),
+            ("attention-prefill", layer, index),
+            f"rf_attention_prefill_d{hp.head_dim_k}",
+            (hp.n_head_kv, math.ceil(rows / tokens), 1),
+            (ATTN_WARPS * 32, 1, 1),  # 32-lane groups, whatever the warp size
+            (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, rows,
+             self.n_ctx, hp.n_head, hp.n_head_kv, self.qscale, out),
+        )  # fmt: skip
+
+    def _decode(self, q: Activation, layer: int, index: int, first: int, rows: int) -> None:
+        """Rows of any slots and positions (at most `attn_decode_rows`) on the decode kernel."""
+        hp, ws = self.hparams, self.ws
+        q_ptr, positions, slots, out = self._row_pointers(q, first)
+        self._launch(
+            ("attention", layer, index),
             "rf_attention_decode",
-            (hp.n_head_kv, q.rows, ws.attn_tiles),
-            block,
-            (
-                q.ptr,
-                ws.k_cache[layer].ptr,
-                ws.v_cache[layer].ptr,
-                ws.step_positions.ptr,
-                ws.step_slots.ptr,
-                self.n_ctx,
-                hp.n_head,
-                hp.n_head_kv,
-                hp.head_dim_k,
-                qscale,
-                ws.attn_tiles,
-                ws.attn_partial.ptr,
-                ws.attn_counters.ptr,
-                ws.attn.ptr,
-            ),
-        )
-        return Activation(ws.attn, q.rows, hp.n_head * hp.head_dim_v)
+            (hp.n_head_kv, rows, ws.attn_tiles),
+            (ATTN_WARPS * 32, 1, 1),
+            (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
+             hp.n_head, hp.n_head_kv, hp.head_dim_k, self.qscale, ws.attn_tiles,
+             ws.attn_partial.ptr, ws.attn_counters.ptr, out),
+        )  # fmt: skip

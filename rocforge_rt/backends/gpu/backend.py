@@ -43,9 +43,10 @@ class GpuBackend:
     in between: `embed`, `attention` and `sample`.
     """
 
-    # A step of several sequences' prompt chunks and decode rows takes one pass per chunk
-    # (Engine.step): the attention launches for a ragged step are not written yet.
-    ragged_steps = False
+    # A step may mix sequences' decode rows and prompt chunks (Engine.step): every op but
+    # attention is row by row, and attention splits the step into launches by run of one
+    # slot's consecutive positions (attention.py).
+    ragged_steps = True
     embed: Embedding  # (table, batch) -> Activation
     attention: Attention  # (q, layer, batch) -> Activation
     sample: Sampling  # (logits, sampling, first_row): each row's token into the step state

@@ -127,9 +127,10 @@ class Workspace:
             self.w16 = self.zeros(max(layer_matrices) * f16)
             self.gate_up16 = self.zeros(max_tokens * 2 * hp.n_ff * f16)
             self.blas_scratch = self.zeros(VENDOR_WORKSPACE_BYTES)
-        # Decode attention's per-tile parts (acc[d], m, l, 2 unused), for the tokens of a
-        # decode step (one per session, or a short prompt chunk); counters start at zero and
-        # the kernel resets them.
+        # Decode attention's per-tile parts (acc[d], m, l, 2 unused), for the rows of one
+        # decode-kernel launch (a decode step's, one per session; a step with more such rows
+        # launches it in pieces of this many); counters start at zero and the kernel resets
+        # them.
         self.attn_tiles = math.ceil(n_ctx / ATTN_TILE)
         self.attn_decode_rows = min(max_tokens, max(n_slots, GEMV_MAX_ROWS))
         self.attn_partial = self.zeros(
