@@ -6,26 +6,17 @@ row's own slot, so greedy tokens and their log-probabilities are the same alone 
 batches that grow and shrink as sessions start and finish. Run on a GPU machine.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.session import Session
-from rocforge_rt.model.synthetic import write_synthetic_model
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(cuda.device_count() == 0, reason="no CUDA device"),
 ]
-
-
-@pytest.fixture(scope="module")
-def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "smollm2-shape.gguf"
-    return write_synthetic_model("smollm2-135m", path, seed=8, progress=False)
 
 
 def prompts(n: int, n_vocab: int) -> list[list[int]]:

@@ -238,7 +238,7 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
         for decode, prompt in zip(run(rows), chunk, strict=True):
             assert np.array_equal(decode, prompt[:rows]), rows
     batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
-    q_ref = CpuBackend(hp, 1, 64).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
+    q_ref = CpuBackend(hp, 1, n_ctx).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3
 
 
