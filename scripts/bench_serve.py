@@ -184,7 +184,8 @@ def engine_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs = []
     try:
         for streams in args.streams:
-            warm = argparse.Namespace(**{**vars(args), "max_tokens": WARMUP_TOKENS})
+            warm_tokens = min(args.max_tokens, WARMUP_TOKENS)
+            warm = argparse.Namespace(**{**vars(args), "max_tokens": warm_tokens})
             engine_round(engine, warm, streams, 0)
             run = engine_round(engine, args, streams, streams)
             host = run["host_per_decode_step"]

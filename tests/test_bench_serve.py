@@ -66,7 +66,7 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
 ):
     out = tmp_path / "results"
     result = run_bench_serve("--spawn-daemon", tiny_model, "--backend", "cpu", "--streams", "1,2",
-                             "--prompt-tokens", "4", "--max-tokens", "4",
+                             "--prompt-tokens", "4", "--max-tokens", "4", "--engine",
                              "--llamacpp-batched", fake_batched_bench, "--out", out)  # fmt: skip
     assert result.returncode == 0, result.stderr
     (path,) = out.glob("bench_serve-cpu-*.json")
@@ -83,6 +83,12 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert run["ttft_ms"]["n"] == s and run["itl_ms"]["n"] == s * 3
         assert 0 < run["ttft_ms"]["p50"] <= run["prefill_all_ms"] <= run["wall_s"] * 1000
         assert run["daemon"]["decode_mean_batch"] >= 1
+        engine = run["engine"]  # the same round on an in-process Engine
+        assert engine["completion_tokens"] == s * 4 and engine["decode_tokens"] == s * 3
+        assert engine["ttft_ms"]["n"] == s and engine["itl_ms"]["n"] == s * 3
+        host = engine["host_per_decode_step"]
+        assert host["steps"] == 3 and host["engine_us"] > 0  # tokens 2..4: decode-only steps
+        assert host["issue_us"] is None  # a GPU backend's issue time; none on the CPU
         peer = run["llamacpp"]
         assert peer["decode_tokens_per_s"] == pytest.approx(fake_decode_tokens_per_s(s), rel=1e-5)
         assert peer["t_pp_ms"] == pytest.approx(s * 4 * 1e-2)  # 10 us a prompt token
@@ -100,8 +106,8 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
     assert len(fake_batched_bench.with_suffix(".log").read_text().splitlines()) == 1  # one run
 
     assert (
-        "| streams | ours decode tok/s | llama.cpp decode tok/s | ratio | TTFT p50/p99 ms"
-        " | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |"
+        "| streams | engine decode tok/s | ours decode tok/s | llama.cpp decode tok/s | ratio"
+        " | TTFT p50/p99 ms | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |"
     ) in result.stderr
     assert "| 2 | " in result.stderr and f"| {fake_decode_tokens_per_s(2):,.1f} |" in result.stderr
     try:
@@ -110,6 +116,11 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert "matplotlib is not installed" in result.stderr
     else:
         assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_bench_engine_needs_a_model_to_load(tmp_path):
+    result = run_bench_serve("--addr", "tcp://127.0.0.1:9", "--engine", "--out", tmp_path)
+    assert result.returncode != 0 and "--engine needs --spawn-daemon" in result.stderr
 
 
 def test_serve_bench_names_a_missing_llama_batched_bench_and_exits_without_a_traceback(
