@@ -268,14 +268,9 @@ class Matmul:
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             grid = (max(1, min(blocks, GEMV_MAX_BLOCKS_PER_SM * info.multiprocessors)), 1, 1)
-            out_offset = first * n_out * 4
             head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x.ptr + first * k * 4, rows, gain_ptr,
                     self.hparams.rms_eps)  # fmt: skip
-            if rope_layer is None:
-                residual = residual_ptr + out_offset if residual_ptr else 0
-                tail = (epilogue, residual, out_ptr + out_offset)
-            else:
-                tail = self._rope_args(rope_layer, first)
+            tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
                 ("gemv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
                 kernel,
@@ -284,6 +279,22 @@ class Matmul:
                 head + tail,
                 gemv_shared_bytes(k, rows, info.warp_size),
             )
+
+    def _store_args(
+        self,
+        first: int,
+        n_out: int,
+        out_ptr: int,
+        epilogue: int,
+        residual_ptr: int,
+        rope_layer: int | None,
+    ) -> tuple[int, ...]:
+        """A GEMV's or MMV's epilogue arguments from activation row `first` on: (epilogue,
+        residual, out), or with `rope_layer` where RoPE + KV-append writes."""
+        if rope_layer is not None:
+            return self._rope_args(rope_layer, first)
+        offset = first * n_out * 4
+        return (epilogue, residual_ptr + offset if residual_ptr else 0, out_ptr + offset)
 
     def _rope_args(self, layer: int, first: int) -> tuple[int, ...]:
         """Where RoPE + KV-append (kernels/rf_rope.h) writes, from activation row `first` on."""
@@ -346,13 +357,8 @@ class Matmul:
             rows = min(MMV_MAX_ROWS, x.rows - first)
             self._quantize_rows(x.ptr + first * k * 4, rows, k, gain)
             tw, ks, ms = next(shape for shape in MMV_SHAPES if mmv_rows(shape) >= rows)
-            out_offset = first * n_out * 4
             head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, self.ws.xq.ptr, self.ws.xq_d.ptr, rows)
-            if rope_layer is None:
-                residual = residual_ptr + out_offset if residual_ptr else 0
-                tail = (epilogue, residual, out_ptr + out_offset)
-            else:
-                tail = self._rope_args(rope_layer, first)
+            tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
                 ("mmv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
                 f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}",
