@@ -57,7 +57,7 @@ from typing import Any
 from bench_ttft import against_daemon, daemon_view, one_request, token_prompt, write_report
 
 from clients.rocforge_client import ClientError, connect
-from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.engine import Engine, pack_step
 from rocforge_rt.engine.session import Session
 from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench, positive_ints
 from rocforge_rt.profiling.latency import distribution
@@ -132,14 +132,8 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
     try:
         waiting = list(sessions)
         while live := [s for s in sessions if not s.finished]:
-            decode = [s for s in live if s not in waiting]
-            left = engine.step_budget - len(decode)
-            chunks = []
-            for s in waiting:
-                if left <= 0:
-                    break
-                chunks.append((s, min(len(s.pending), left)))
-                left -= chunks[-1][1]
+            decode, chunks = pack_step(engine.step_budget, [s for s in live if s not in waiting],
+                                       waiting, lambda s: len(s.pending))  # fmt: skip
             backend_before, start = in_backend_ns, time.perf_counter_ns()
             events = engine.step(decode, chunks)
             now = time.perf_counter()

@@ -7,10 +7,10 @@ open a session, and hands it to `open_session`.
 """
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,9 +34,34 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # temperature and top_p: float3
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+T = TypeVar("T")  # what pack_step schedules: sessions, or the daemon's jobs
+
+
 def step_token_budget(prefill_chunk: int, n_slots: int) -> int:
     """Tokens one step may take: a prompt chunk's worth, and at least a row per session."""
     return max(prefill_chunk, n_slots)
+
+
+def pack_step(
+    budget: int,
+    decoding: Sequence[T],
+    waiting: Iterable[T],
+    pending: Callable[[T], int],
+) -> tuple[tuple[T, ...], tuple[tuple[T, int], ...]]:
+    """One scheduler step (vLLM V1's unified scheduling) of at most `budget` tokens: every
+    decoding item's next token, then prompt chunks of the waiting items in their order while
+    the budget lasts; `pending(item)` is how many prompt tokens an item still has. The
+    arguments of `Engine.step`, for sessions or for whatever the caller schedules."""
+    left = budget - len(decoding)
+    chunks = []
+    for item in waiting:
+        if left <= 0:
+            break
+        n = min(pending(item), left)
+        if n > 0:
+            chunks.append((item, n))
+            left -= n
+    return tuple(decoding), tuple(chunks)
 
 
 def _stop_point(should_stop: Callable[[], bool] | None) -> None:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
 
+from rocforge_rt.engine.engine import pack_step
 from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.server.jobs import CancelCause, Finished, Job, JobState
 
@@ -78,17 +79,7 @@ class StepPolicy:
         oldest first, while the `budget` of tokens lasts]); `pending(job)` is how many
         prompt tokens a job still has. Every decoding job gets its token (the budget is at
         least the most sessions there are)."""
-        decode = tuple(self.decoding)
-        left = budget - len(decode)
-        chunks = []
-        for job in self.prefilling:
-            if left <= 0:
-                break
-            n = min(pending(job), left)
-            if n > 0:
-                chunks.append((job, n))
-                left -= n
-        return decode, tuple(chunks)
+        return pack_step(budget, self.decoding, self.prefilling, pending)
 
     def after_prefill(self, job: Job, event: TokenEvent) -> Finished | Emit:
         """The first token of a turn: open and append end with it, a generate goes on."""
