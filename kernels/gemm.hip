@@ -79,34 +79,32 @@ void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_REST
     static_assert(RF_Q8_ROWS_BLOCKS * 8 == RF_Q8_THREADS, "eight lanes per quant block");
     const int sub = threadIdx.x & 7;
     const int slot = sub < 4 ? 2 * sub : 2 * (sub - 4) + 1;  // u32 index in mma order
-    {
-        const int b = blockIdx.y * RF_Q8_ROWS_BLOCKS + (int)(threadIdx.x >> 3);
-        const bool live = b < n_blocks;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) {
-            const int e = b * RF_QK + sub * 4;
-            const rf_gemm_f32x4 in = *(const rf_gemm_f32x4*)(xr + e);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                v[i] = gain != nullptr ? rf_normalize(in.v[i], inv_rms, gain[e + i]) : in.v[i];
-            }
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        amax = fmaxf(amax, rf_shfl_xor(amax, 4));
-        amax = fmaxf(amax, rf_shfl_xor(amax, 2));
-        amax = fmaxf(amax, rf_shfl_xor(amax, 1));
-        const float d = rf_q8_scale(amax);
-        uint32_t packed = 0;
+    const int b = blockIdx.y * RF_Q8_ROWS_BLOCKS + (int)(threadIdx.x >> 3);
+    const bool live = b < n_blocks;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (live) {
+        const int e = b * RF_QK + sub * 4;
+        const rf_gemm_f32x4 in = *(const rf_gemm_f32x4*)(xr + e);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int q = rf_q8_round(v[i], amax, d);
-            packed |= ((uint32_t)q & 0xFFu) << (8 * i);
+            v[i] = gain != nullptr ? rf_normalize(in.v[i], inv_rms, gain[e + i]) : in.v[i];
         }
-        if (live) {
-            ((uint32_t*)(xq + (int64_t)row * k + b * RF_QK))[slot] = packed;
-            if (sub == 0) {
-                xd[(int64_t)row * n_blocks + b] = d;
-            }
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = fmaxf(amax, rf_shfl_xor(amax, 4));
+    amax = fmaxf(amax, rf_shfl_xor(amax, 2));
+    amax = fmaxf(amax, rf_shfl_xor(amax, 1));
+    const float d = rf_q8_scale(amax);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = rf_q8_round(v[i], amax, d);
+        packed |= ((uint32_t)q & 0xFFu) << (8 * i);
+    }
+    if (live) {
+        ((uint32_t*)(xq + (int64_t)row * k + b * RF_QK))[slot] = packed;
+        if (sub == 0) {
+            xd[(int64_t)row * n_blocks + b] = d;
         }
     }
 }

@@ -126,6 +126,13 @@ def gemv_shared_bytes(k: int, rows: int, warp_size: int) -> int:
     return rows * padded_blocks * (QK + 8) + GEMV_MAX_ROWS * (GEMV_THREADS // warp_size) * 4
 
 
+def kernel_variant(epilogue: int, rope_layer: int | None) -> str:
+    """The GEMV / MMV kernel name's suffix: _swiglu, _rope (the QKV projection) or none."""
+    if epilogue == EPILOGUE_SWIGLU:
+        return "_swiglu"
+    return "" if rope_layer is None else "_rope"
+
+
 def repack_rows(tensors: Sequence[WeightTensor]) -> tuple[str, np.ndarray, np.ndarray]:
     """Row-stack GGUF Q4_0/Q8_0 tensors and split each block into quants and scale.
 
@@ -252,8 +259,7 @@ class Matmul:
         scratch = gemv_shared_bytes(k, 0, info.warp_size)
         per_row_shared = gemv_shared_bytes(k, 1, info.warp_size) - scratch
         max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - scratch) // per_row_shared))
-        variant = "_rope" if rope_layer is not None else ""
-        variant = "_swiglu" if epilogue == EPILOGUE_SWIGLU else variant
+        variant = kernel_variant(epilogue, rope_layer)
         gain_ptr = gain.ptr if gain is not None else 0
         for first in range(0, x.rows, max_rows):
             rows = min(max_rows, x.rows - first)
@@ -350,8 +356,7 @@ class Matmul:
         `gemv`."""
         k = matrix.k
         self._check_fits(min(x.rows, MMV_MAX_ROWS), k)
-        variant = "_rope" if rope_layer is not None else ""
-        variant = "_swiglu" if epilogue == EPILOGUE_SWIGLU else variant
+        variant = kernel_variant(epilogue, rope_layer)
         outputs_per_block = MMV_TILE // 2 if epilogue == EPILOGUE_SWIGLU else MMV_TILE
         for first in range(0, x.rows, MMV_MAX_ROWS):
             rows = min(MMV_MAX_ROWS, x.rows - first)
