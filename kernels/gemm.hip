@@ -17,7 +17,8 @@
 //                        y * RF_Q8_ROWS_BLOCKS.. (after its sum of squares, when
 //                        normalizing: every block of the row computes it, in one order).
 //                        Launch: grid (rows, ceil(k / 32 / RF_Q8_ROWS_BLOCKS)), block
-//                        RF_Q8_THREADS.
+//                        RF_Q8_THREADS. rf_quantize_q8_tiles is the same into the MMV's
+//                        layout (below).
 //   rf_gemm_<fmt>        tiled GEMM of the repacked weights (see gemv.hip: Q4_0 quants
 //                        uint8 [n, k/2], byte j of a block = element j (low nibble) and
 //                        j + 16 (high); Q8_0 int8 [n, k]; f16 scales [n, k/32] apart)
@@ -64,10 +65,42 @@ struct alignas(16) rf_gemm_f32x4 {
 };
 
 // ---------------------------------------------------------------------------------------
-// Normalize (optional) and quantize activation rows into the global q8 buffer.
-RF_KERNEL_BOUNDS(RF_Q8_THREADS)
-void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
-                         float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
+// Normalize (optional) and quantize activation rows into a global q8 buffer, in one of two
+// layouts (where lane `sub` of a block's eight stores its packed word `slot` and the scale):
+//   rows   xq int8 [rows, k], each 32-byte block in mma order; xd f32 [rows, k / 32]. The
+//          GEMM's operand.
+//   tiles  the MMV's operand: per 8-row tile j and canonical-sum stage s (RF_Q8_STAGE
+//          blocks), 32 lane pieces of 8 * RF_Q8_STAGE bytes, piece 4g + t holding the
+//          mma-order words 2t, 2t + 1 (elements 4t.., 16 + 4t..) of each block of the stage
+//          for row 8j + g: one 16-byte load gives a lane its B fragments of a whole stage.
+//          xd per (j, s): [row of the tile][block of the stage], so rows 2t, 2t + 1 are one
+//          16-byte load. Stages are whole (the last one padded), rows past the batch unused.
+struct rf_q8_rows_layout {
+    __device__ __forceinline__ static void store(int8_t* xq, float* xd, int row, int k, int b, int slot,
+                                       uint32_t packed, float d) {
+        ((uint32_t*)(xq + (int64_t)row * k + b * RF_QK))[slot] = packed;
+        if (slot == 0) {
+            xd[(int64_t)row * (k / RF_QK) + b] = d;
+        }
+    }
+};
+struct rf_q8_tiles_layout {
+    __device__ __forceinline__ static void store(int8_t* xq, float* xd, int row, int k, int b, int slot,
+                                       uint32_t packed, float d) {
+        const int n_stages = (k / RF_QK + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
+        const int64_t piece = (int64_t)((row >> 3) * n_stages + b / RF_Q8_STAGE) * 32;
+        const int words = 2 * RF_Q8_STAGE;  // 4-byte words of a lane's piece
+        ((uint32_t*)xq)[(piece + (row & 7) * 4 + (slot >> 1)) * words + (b % RF_Q8_STAGE) * 2 +
+                        (slot & 1)] = packed;
+        if (slot == 0) {
+            xd[(piece / 4 + (row & 7)) * RF_Q8_STAGE + b % RF_Q8_STAGE] = d;
+        }
+    }
+};
+
+template <typename Layout>
+RF_DEVICE_INLINE void rf_quantize_q8(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
+                                     float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
     __shared__ float s_partial[RF_Q8_THREADS / RF_WARP_SIZE];
     rf_pdl_begin();
     const int row = blockIdx.x;
@@ -102,11 +135,20 @@ void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_REST
         packed |= ((uint32_t)q & 0xFFu) << (8 * i);
     }
     if (live) {
-        ((uint32_t*)(xq + (int64_t)row * k + b * RF_QK))[slot] = packed;
-        if (sub == 0) {
-            xd[(int64_t)row * n_blocks + b] = d;
-        }
+        Layout::store(xq, xd, row, k, b, slot, packed, d);
     }
+}
+
+RF_KERNEL_BOUNDS(RF_Q8_THREADS)
+void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
+                         float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
+    rf_quantize_q8<rf_q8_rows_layout>(x, k, gain, eps, xq, xd);
+}
+
+RF_KERNEL_BOUNDS(RF_Q8_THREADS)
+void rf_quantize_q8_tiles(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
+                          float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
+    rf_quantize_q8<rf_q8_tiles_layout>(x, k, gain, eps, xq, xd);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -388,34 +430,36 @@ void rf_gemm_q8_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w
 
 // ---------------------------------------------------------------------------------------
 // Decode-batch matmul (MMV): out[t, :] = W x[t, :] for a few activation rows t (up to
-// 8 * TW * MS per launch: the rows of a decode step), from the same
-// rf_quantize_q8_rows output as the GEMM, on the int8 matrix units with each weight
-// block loaded once for all rows. Every output is the canonical sum of rf_q8.h, so a
-// row's outputs are bit-identical here, in the GEMV and in the GEMM.
+// 8 * TW * MS per launch: the rows of a decode step), from rf_quantize_q8_tiles' output,
+// on the int8 matrix units with each weight block loaded once for all rows. Every output
+// is the canonical sum of rf_q8.h, so a row's outputs are bit-identical here, in the GEMV
+// and in the GEMM.
 //
 // A block owns one 16-row weight tile, the A operand of mma.m16n8k32 (one quant block
-// per mma: the scales are per block), activation rows in 8-row B tiles. Tile row g
-// (0..7) and g + 8 are one lane's pair of outputs: outputs 2g and 2g + 1 of the tile
-// (16 outputs; the _rope kernels rotate them as an (even, odd) pair), or with SwiGLU the
-// gate and up rows of output g (8 outputs). A lane loads bytes 4t..4t+3 of each of its
-// two rows' blocks: for Q4_0 the low nibbles are elements 4t..4t+3 (a0 / a1) and the
-// high nibbles 16 + 4t.. (a2 / a3), the GGUF order itself.
+// per mma: the scales are per block), and every activation row, in 8-row B tiles. Tile
+// row g (0..7) and g + 8 are one lane's pair of outputs: outputs 2g and 2g + 1 of the
+// tile (16 outputs; the _rope kernels rotate them as an (even, odd) pair), or with SwiGLU
+// the gate and up rows of output g (8 outputs). A lane loads bytes 4t..4t+3 of each of
+// its two rows' blocks: for Q4_0 the low nibbles are elements 4t..4t+3 (a0 / a1) and the
+// high nibbles 16 + 4t.. (a2 / a3), the GGUF order itself. Its B fragments and
+// activation scales of one stage and tile are one 16-byte load each (the tiles layout).
 //
-// The block's KS * MS warps split the work KS ways along k and MS ways along the rows
-// (TW B tiles each). Along k, warp w takes canonical-sum stages w, w + KS, ... in
-// rounds of RF_MMV_CHUNK(TW) stages: it computes each stage sum into shared memory and,
-// after each round, the block adds the round's stage sums to each output's total in
-// stage order. With KS = 1 a warp adds its stage sums itself. Warps are 32-lane groups,
-// whatever the hardware's warp size.
+// The block's KS * MS warps split k KS ways and the B tiles MS ways (TW each). Along k,
+// warp w takes canonical-sum stages w, w + KS, ... in rounds of CH stages, loading the
+// next round's weights while it computes this one's. With KS > 1 each stage sum goes to
+// shared memory and, after each round, the block adds the round's stage sums to each
+// output's total in stage order; with KS = 1 a warp adds its stage sums itself. Warps
+// are 32-lane groups, whatever the hardware's warp size.
 //
-// Launch: rf_quantize_q8_rows over the rows first; then grid (ceil(n / outputs per tile)),
-// block 32 * KS * MS, no dynamic shared memory. n_rows <= 8 * TW * MS.
+// Launch: rf_quantize_q8_tiles over the rows first; then grid (ceil(n / outputs per
+// tile)), block 32 * KS * MS, no dynamic shared memory. n_rows <= 8 * TW * MS.
 
-#define RF_MMV_CHUNK 4  // stages a warp loads at once (and per round of the fold)
+#define RF_MMV_SHARED_BYTES 40960  // the most stage sums a block keeps (a round's)
 #define RF_MMV_PITCH 20  // floats per activation row of a stage's sums: 16 + 4 (bank spread)
 #define RF_MMV_PLAIN 0
 #define RF_MMV_SWIGLU 1
 #define RF_MMV_ROPE 2
+static_assert(RF_Q8_STAGE == 2, "a lane's 16-byte operand load holds one two-block stage");
 
 // A lane's words of one (weight row, block) and their A-fragment halves (int8 in k order:
 // elements 4t..4t+3, then 16 + 4t..16 + 4t + 3).
@@ -483,6 +527,17 @@ RF_DEVICE_INLINE void rf_mmv_store(int tile, int g, int m, float y0, float y1, i
     }
 }
 
+__host__ __device__ constexpr int rf_clamp_int(int v, int lo, int hi) {
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+// One round's weights of a lane: [stage of the round][block of the stage][tile row g, g + 8].
+template <typename Format, int CH>
+struct rf_mmv_weights {
+    uint32_t q[CH][RF_Q8_STAGE][2][Format::words];
+    float d[CH][RF_Q8_STAGE][2];
+};
+
 template <typename Format, int VARIANT, int TW, int KS, int MS>
 RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                              int n, int k, const int8_t* RF_RESTRICT xq,
@@ -490,57 +545,64 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
                              const float* residual, float* out, const rf_rope_out& rope) {
     constexpr int THREADS = 32 * KS * MS;
     constexpr int M_PAD = 8 * TW * MS;  // activation rows of the block
-    constexpr int CH = RF_MMV_CHUNK;
+    constexpr int SLOT_FLOATS = M_PAD * RF_MMV_PITCH;  // one stage's sums
+    // Stages per round: as many as RF_MMV_SHARED_BYTES of stage sums hold, 1 to 4.
+    constexpr int CH = KS == 1 ? 4 : rf_clamp_int(RF_MMV_SHARED_BYTES / (KS * SLOT_FLOATS * 4), 1, 4);
     constexpr int PAIRS = (M_PAD * 8 + THREADS - 1) / THREADS;  // lane pairs a thread folds
     constexpr int SLOTS = KS > 1 ? KS * CH : 1;  // stage sums of one round
-    __shared__ __align__(16) float s_sums[SLOTS * M_PAD * RF_MMV_PITCH];
+    __shared__ __align__(16) float s_sums[SLOTS * SLOT_FLOATS];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane >> 2, t = lane & 3;
     const int ks = warp % KS, ms = warp / KS;
+    const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x;
+    const int block_tiles = (n_rows + 7) / 8;  // B tiles holding a row
+    const int live_tiles = min(TW, block_tiles - ms * TW);  // the warp's (warp-uniform)
     const int n_blocks = k / RF_QK;
     const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
     const int64_t row_bytes = (int64_t)n_blocks * Format::block_bytes;
     int w_row[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        w_row[h] = rf_mmv_weight_row<VARIANT>(tile, g + 8 * h, n);
+    for (int r = 0; r < 2; ++r) {
+        w_row[r] = rf_mmv_weight_row<VARIANT>(tile, g + 8 * r, n);
     }
-    int x_row[TW];  // this lane's B-fragment row of each of the warp's tiles
-#pragma unroll
-    for (int j = 0; j < TW; ++j) {
-        x_row[j] = (ms * TW + j) * 8 + g;
-    }
+    // A stage's two f16 scales of a row are one aligned 4-byte word when n_blocks is even.
+    const bool paired_scales = n_blocks % 2 == 0;
 
-    // One chunk: CH of this warp's stages, RF_Q8_STAGE blocks each.
-    uint32_t wq[CH][RF_Q8_STAGE][2][Format::words];
-    float wd[CH][RF_Q8_STAGE][2];
-    auto load_weights = [&](int chunk) {
+    auto load_weights = [&](rf_mmv_weights<Format, CH>& w, int round) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
+            const int b0 = ((round * CH + i) * KS + ks) * RF_Q8_STAGE;
 #pragma unroll
-            for (int h = 0; h < RF_Q8_STAGE; ++h) {
-                const int b = ((chunk * CH + i) * KS + ks) * RF_Q8_STAGE + h;
+            for (int r = 0; r < 2; ++r) {
+                const bool row_live = w_row[r] >= 0 && b0 < n_blocks;
+                const uint16_t* scales = w_d + (int64_t)w_row[r] * n_blocks + b0;
+                if (row_live && paired_scales) {
+                    const uint32_t pair = *(const uint32_t*)scales;
+                    w.d[i][0][r] = rf_half_to_float((uint16_t)(pair & 0xFFFFu));
+                    w.d[i][1][r] = rf_half_to_float((uint16_t)(pair >> 16));
+                }
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const bool live = w_row[r] >= 0 && b < n_blocks;
-                    if (live) {
-                        Format::load(wq[i][h][r], w_qs + w_row[r] * row_bytes + b * Format::block_bytes, t);
-                        wd[i][h][r] = rf_half_to_float(w_d[(int64_t)w_row[r] * n_blocks + b]);
+                for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                    if (row_live && b0 + h < n_blocks) {
+                        Format::load(w.q[i][h][r], w_qs + w_row[r] * row_bytes + (b0 + h) * Format::block_bytes, t);
+                        if (!paired_scales) {
+                            w.d[i][h][r] = rf_half_to_float(scales[h]);
+                        }
                     } else {
 #pragma unroll
                         for (int e = 0; e < Format::words; ++e) {
-                            wq[i][h][r][e] = 0u;
+                            w.q[i][h][r][e] = 0u;
                         }
-                        wd[i][h][r] = 0.0f;
+                        w.d[i][h][r] = 0.0f;
                     }
                 }
             }
         }
     };
-    const int n_chunks = (n_stages + KS * CH - 1) / (KS * CH);
-    load_weights(0);  // in flight while the previous kernel finishes
+    const int n_rounds = (n_stages + KS * CH - 1) / (KS * CH);
+    rf_mmv_weights<Format, CH> w;
+    load_weights(w, 0);  // in flight while the previous kernel finishes
     rf_pdl_wait();
 
     float acc[TW][4];  // KS == 1: the lane's totals (mma C layout)
@@ -557,85 +619,66 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
         total[p][0] = total[p][1] = 0.0f;
     }
 
-    for (int chunk = 0; chunk < n_chunks; ++chunk) {
-        if (chunk > 0) {
-            load_weights(chunk);
+    for (int round = 0; round < n_rounds; ++round) {
+        rf_mmv_weights<Format, CH> next;
+        if (round + 1 < n_rounds) {
+            load_weights(next, round + 1);
         }
-        // The activations' fragments and scales of the chunk's blocks (L1/L2-resident).
-        uint32_t xb[CH][RF_Q8_STAGE][TW][2];
-        float dx[CH][RF_Q8_STAGE][TW][2];
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
-#pragma unroll
-            for (int h = 0; h < RF_Q8_STAGE; ++h) {
-                const int b = ((chunk * CH + i) * KS + ks) * RF_Q8_STAGE + h;
-#pragma unroll
-                for (int j = 0; j < TW; ++j) {
-                    const bool live = x_row[j] < n_rows && b < n_blocks;
-                    const rf_gemm_u32x2 v =
-                        live ? *(const rf_gemm_u32x2*)(xq + (int64_t)x_row[j] * k + b * RF_QK + 8 * t)
-                             : rf_gemm_u32x2{{0u, 0u}};
-                    xb[i][h][j][0] = v.v[0];
-                    xb[i][h][j][1] = v.v[1];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int m = (ms * TW + j) * 8 + 2 * t + e;
-                        dx[i][h][j][e] = m < n_rows && b < n_blocks ? xd[(int64_t)m * n_blocks + b] : 0.0f;
-                    }
-                }
+            const int stage = (round * CH + i) * KS + ks;
+            if (stage >= n_stages) {
+                continue;
             }
-        }
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-            const int stage = (chunk * CH + i) * KS + ks;
-            float sum[TW][4];
+            // Every tile's B fragments and scales of the stage in flight at once.
+            rf_gemm_u32x4 xb[TW];
+            rf_gemm_f32x4 dx[TW];
 #pragma unroll
             for (int j = 0; j < TW; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sum[j][e] = 0.0f;
+                if (j < live_tiles) {
+                    const int64_t piece = (int64_t)(ms * TW + j) * n_stages + stage;
+                    xb[j] = *(const rf_gemm_u32x4*)(xq + (piece * 32 + lane) * 16);
+                    dx[j] = *(const rf_gemm_f32x4*)(xd + (piece * 8 + 2 * t) * 2);
                 }
             }
+            uint32_t a[RF_Q8_STAGE][4];
 #pragma unroll
             for (int h = 0; h < RF_Q8_STAGE; ++h) {
-                if (stage * RF_Q8_STAGE + h < n_blocks) {
-                    uint32_t a[4];
-                    Format::expand(wq[i][h][0], a[0], a[2]);
-                    Format::expand(wq[i][h][1], a[1], a[3]);
+                Format::expand(w.q[i][h][0], a[h][0], a[h][2]);
+                Format::expand(w.q[i][h][1], a[h][1], a[h][3]);
+            }
 #pragma unroll
-                    for (int j = 0; j < TW; ++j) {
+            for (int j = 0; j < TW; ++j) {
+                if (j >= live_tiles) {
+                    continue;
+                }
+                float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int h = 0; h < RF_Q8_STAGE; ++h) {
+                    if (stage * RF_Q8_STAGE + h < n_blocks) {
                         int c[4] = {RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS, RF_GEMM_BIAS_BITS,
                                     RF_GEMM_BIAS_BITS};
-                        rf_mma_s8_m16n8k32(c, a, xb[i][h][j]);
+                        const uint32_t b[2] = {xb[j].v[2 * h], xb[j].v[2 * h + 1]};
+                        rf_mma_s8_m16n8k32(c, a[h], b);
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const float dot = rf_int_as_float(c[e]) - RF_GEMM_BIAS_VALUE;
-                            sum[j][e] = rf_q8_stage_add(sum[j][e], wd[i][h][e >> 1], dx[i][h][j][e & 1], dot);
+                            sum[e] = rf_q8_stage_add(sum[e], w.d[i][h][e >> 1], dx[j].v[2 * (e & 1) + h], dot);
                         }
                     }
                 }
-            }
-            if (KS == 1) {
-                if (stage < n_stages) {
+                if (KS == 1) {
 #pragma unroll
-                    for (int j = 0; j < TW; ++j) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            acc[j][e] += sum[j][e];
-                        }
+                    for (int e = 0; e < 4; ++e) {
+                        acc[j][e] += sum[e];
                     }
-                }
-            } else {
-                // The stage's sums by (activation row, pair): {tile row g, tile row g + 8}.
-                float* slot = s_sums + (i * KS + ks) * M_PAD * RF_MMV_PITCH;
-#pragma unroll
-                for (int j = 0; j < TW; ++j) {
+                } else {
+                    // The stage's sums by (activation row, pair): {tile row g, tile row g + 8}.
+                    float* slot = s_sums + (i * KS + ks) * SLOT_FLOATS;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int m = (ms * TW + j) * 8 + 2 * t + e;
-                        float* dst = slot + m * RF_MMV_PITCH + 2 * g;
-                        dst[0] = sum[j][e];
-                        dst[1] = sum[j][2 + e];
+                        *(float2*)(slot + m * RF_MMV_PITCH + 2 * g) = make_float2(sum[e], sum[2 + e]);
                     }
                 }
             }
@@ -643,20 +686,22 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
         if (KS > 1) {
             // Add the round's stage sums to each output's total, in stage order.
             __syncthreads();
-            const int round_stages = min(KS * CH, n_stages - chunk * KS * CH);
+            const int round_stages = min(KS * CH, n_stages - round * KS * CH);
 #pragma unroll
             for (int p = 0; p < PAIRS; ++p) {
                 const int pair = p * THREADS + tid;
-                if (pair < M_PAD * 8) {
+                if (pair < block_tiles * 64 && pair < M_PAD * 8) {
                     const float* src = s_sums + (pair >> 3) * RF_MMV_PITCH + 2 * (pair & 7);
                     for (int s = 0; s < round_stages; ++s) {
-                        total[p][0] += src[s * M_PAD * RF_MMV_PITCH];
-                        total[p][1] += src[s * M_PAD * RF_MMV_PITCH + 1];
+                        const float2 v = *(const float2*)(src + s * SLOT_FLOATS);
+                        total[p][0] += v.x;
+                        total[p][1] += v.y;
                     }
                 }
             }
             __syncthreads();
         }
+        w = next;
     }
     rf_pdl_launch_dependents();
 
@@ -702,65 +747,155 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
                     head_dim, rope_dims, n_ctx})
 
-// rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope] (block 32 * KS * MS) for up to 8 * TW * MS
-// rows: 8, 16, 32 and 64 (the shapes measured fastest for each on an H100, README.md).
+// rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope] (block 32 * KS * MS) for up to 8 * TW * MS rows:
+// the shapes matmul.py picks from (MMV_SHAPES).
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 2, 1);
+}
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 1);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 2, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 8, 1);
 }
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 2);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 2, 2);
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 1, 1);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 1, 4);
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 8, 2);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 8, 2);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 2, 1);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 1);
 }
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 2, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 8, 1);
+}
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 2);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 2, 2);
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 1, 1);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 1, 4);
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 8, 2);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 8, 2);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
     RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1);
 }
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1);
+}
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
     RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k2_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 2);
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q4_0_t2_k1_m4_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 1, 4);
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t1_k2_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 2, 1);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 1);
 }
+RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t2_k2_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 2, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t2_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 8, 1);
+}
 RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 2);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k2_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 2, 2);
+RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t4_k1_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 1, 1);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k1_m4(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 1, 4);
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t4_k8_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t2_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 8, 2);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t8_k1_m1(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t4_k8_m2(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 8, 2);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t1_k2_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 2, 1);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 1);
 }
+RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t2_k2_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 2, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t2_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 8, 1);
+}
 RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 2);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k2_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 2, 2);
+RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t4_k1_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 1, 1);
 }
-RF_KERNEL_BOUNDS(128) void rf_mmv_q8_0_t2_k1_m4_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 1, 4);
+RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t4_k8_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 8, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t2_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 8, 2);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t8_k1_m1_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t4_k8_m2_swiglu(RF_MMV_PARAMS) {
+    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 8, 2);
 }

@@ -19,6 +19,7 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
+from rocforge_rt.backends.gpu.matmul import MMV_SHAPES
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -175,6 +176,12 @@ def test_gemm_over_q8_0_weights_matches_the_cpu(gpu, cpu, k, n):
             assert rel_error(got, expected) <= tolerance, (rows, tolerance)
 
 
+def each_mmv_shape(tiles: int, choice: int) -> tuple[int, int, int]:
+    """MMV shape `choice` of those declared for `tiles` 8-row tiles (the last past them):
+    passes over choices 0, 1, ... run every declared rf_mmv kernel."""
+    return MMV_SHAPES[tiles][min(choice, len(MMV_SHAPES[tiles]) - 1)]
+
+
 @pytest.mark.parametrize("k", [576, 608, 4096, 14336])  # 608: an odd block count
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
@@ -199,9 +206,11 @@ def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
         return [norm, swiglu, added]
 
     chunk = run(x.shape[0])
-    for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
-        for batch, prompt in zip(run(rows), chunk, strict=True):
-            assert np.array_equal(batch, prompt[:rows]), rows
+    for choice in range(max(map(len, MMV_SHAPES.values()))):  # each MMV shape (TW, KS)
+        gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
+        for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
+            for batch, prompt in zip(run(rows), chunk, strict=True):
+                assert np.array_equal(batch, prompt[:rows]), (rows, choice)
 
 
 def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
@@ -234,9 +243,11 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
         return q, *caches
 
     chunk = run(chunk_rows)
-    for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
-        for decode, prompt in zip(run(rows), chunk, strict=True):
-            assert np.array_equal(decode, prompt[:rows]), rows
+    for choice in range(max(map(len, MMV_SHAPES.values()))):
+        gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
+        for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
+            for decode, prompt in zip(run(rows), chunk, strict=True):
+                assert np.array_equal(decode, prompt[:rows]), (rows, choice)
     batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
     q_ref = CpuBackend(hp, 1, n_ctx).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3

@@ -40,7 +40,7 @@ from rocforge_rt.backends.gpu.matmul import (
     GEMV_MULTI_ROW_NO,
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
-    mmv_rows,
+    mmv_tiles,
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -173,14 +173,14 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
     launched = set()
     for mode in ("per-kernel-sync", "deferred", "graph"):
         launched |= kernels_of_steps_on_a_fake_device(mode)
-    # GEMV rows per warp and the prefill attention's head dim aside:
-    families = {re.sub(r"_n\d|_d\d+$", "", kernel) for kernel in launched}
+    # GEMV rows per warp, MMV warps along k and the prefill attention's head dim aside:
+    families = {re.sub(r"_n\d|_k\d_m\d|_d\d+$", "", kernel) for kernel in launched}
     assert families >= {
-        "rf_embed_q8_0_split", "rf_quantize_q8_rows", "rf_gemm_q4_0", "rf_rope_kv_append",
-        "rf_attention_prefill", "rf_gemv_q4_0_b1_rope", "rf_gemv_q4_0_b8_rope",
+        "rf_embed_q8_0_split", "rf_quantize_q8_rows", "rf_quantize_q8_tiles", "rf_gemm_q4_0",
+        "rf_rope_kv_append", "rf_attention_prefill", "rf_gemv_q4_0_b1_rope", "rf_gemv_q4_0_b8_rope",
         "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
-        "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1_k8_m1",
-        "rf_mmv_q4_0_t1_k8_m1_swiglu", "rf_mmv_q4_0_t1_k8_m1_rope",
+        "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1",
+        "rf_mmv_q4_0_t1_swiglu", "rf_mmv_q4_0_t1_rope",
     }  # fmt: skip
 
 
@@ -302,10 +302,12 @@ def test_every_mmv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
     wanted = {
         f"rf_mmv_{fmt}_t{tw}_k{ks}_m{ms}{variant}"
         for (fmt, variant) in GEMV_ROWS_PER_WARP
-        for tw, ks, ms in MMV_SHAPES
+        for shapes in MMV_SHAPES.values()
+        for tw, ks, ms in shapes
     }
     assert wanted <= declared, sorted(wanted - declared)
-    assert mmv_rows(MMV_SHAPES[-1]) == MMV_MAX_ROWS
+    assert all(tw * ms == tiles for tiles, shapes in MMV_SHAPES.items() for tw, _, ms in shapes)
+    assert 8 * mmv_tiles(MMV_MAX_ROWS) == MMV_MAX_ROWS
 
 
 def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:

@@ -70,21 +70,27 @@ GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
 GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
 
-# rf_mmv_<fmt>_t<TW>_k<KS>_m<MS> kernels (TW, KS, MS), fewest rows first: a block's KS * MS
-# warps split k KS ways and the rows MS ways, TW 8-row tiles a warp (kernels/gemm.hip).
-# Measured on an H100 (Llama-1B shape, a decode step at 8 / 16 / 32 / 64 rows): these take
-# 1.62 / 2.49 / 4.00 / 5.88 ms; 4-warp blocks (1, 4, 1) took 1.88 ms at 8 rows, and more
-# warps of one tile each 4.27 ms at 32 rows (1, 4, 4) and 7.81 at 64 (1, 2, 8): each
-# unpacks the same weights for fewer rows.
-MMV_SHAPES = ((1, 8, 1), (1, 8, 2), (2, 2, 2), (2, 1, 4))
+# rf_mmv_<fmt>_t<TW>_k<KS>_m<MS> kernels (kernels/gemm.hip): a block's KS * MS warps split
+# k KS ways and its 8-row tiles MS ways, TW each; by the block's tiles (TW * MS), the
+# shapes declared, fewest warps first. A launch takes the first that gives each
+# multiprocessor MMV_WARPS_PER_SM warps, else the last. Measured on an H100 (Llama-1B
+# shape, every shape forced on every matmul of a decode step): few blocks (Q|K|V, O,
+# down) want 8 or more warps along k, many blocks (gate|up, the LM head) few; these pick
+# the fastest or within 10% of it for each matmul at 8, 16, 32 and 64 rows.
+MMV_SHAPES = {
+    1: ((1, 2, 1), (1, 8, 1)),
+    2: ((2, 2, 1), (2, 8, 1), (1, 8, 2)),
+    4: ((4, 1, 1), (4, 8, 1), (2, 8, 2)),
+    8: ((8, 1, 1), (4, 8, 2)),
+}
 MMV_TILE = 16  # weight rows of a block: the mma's M (outputs: 16, or 8 gate|up pairs)
 MMV_MIN_ROWS = 2  # fewer rows take the GEMV
+MMV_WARPS_PER_SM = 7
 
 
-def mmv_rows(shape: tuple[int, int, int]) -> int:
-    """The most activation rows an rf_mmv kernel of this (TW, KS, MS) takes."""
-    tw, _, ms = shape
-    return 8 * tw * ms
+def mmv_tiles(rows: int) -> int:
+    """The 8-row tiles of the narrowest rf_mmv kernels that take `rows` rows."""
+    return next(tiles for tiles in MMV_SHAPES if 8 * tiles >= rows)
 
 
 # Multiply-adds x 2 from which a matmul takes the vendor GEMM when not batch invariant
@@ -176,6 +182,7 @@ class Matmul:
         self.vendor_gemm = vendor_gemm
         self.vendor_min_flop = VENDOR_MIN_FLOP
         self.mmv_min_rows = MMV_MIN_ROWS
+        self.mmv_warps_per_sm = MMV_WARPS_PER_SM
         self.use_prefill_gemm = True
         self.batch_invariant = vendor_gemm is None
 
@@ -327,15 +334,18 @@ class Matmul:
                 f"({self.max_tokens} x {self.ws.gemm_max_k})"
             )
 
-    def _quantize_rows(self, x_ptr: int, rows: int, k: int, gain: Any) -> None:
-        """Normalize (with a gain) and quantize rows to q8 into the workspace's `xq`/`xq_d`."""
+    def _quantize_rows(
+        self, x_ptr: int, rows: int, k: int, gain: Any, kernel: str, xq_ptr: int, xd_ptr: int
+    ) -> None:
+        """Normalize (with a gain) and quantize rows to q8: rf_quantize_q8_rows (the GEMM's
+        layout) or rf_quantize_q8_tiles (the MMV's) into xq_ptr / xd_ptr."""
         gain_ptr = gain.ptr if gain is not None else 0
         self._launch(
-            ("q8rows", x_ptr, rows, k, gain_ptr),
-            "rf_quantize_q8_rows",
+            (kernel, x_ptr, rows, k, gain_ptr),
+            kernel,
             (rows, math.ceil(k // QK / Q8_ROWS_BLOCKS), 1),
             (Q8_ROWS_THREADS, 1, 1),
-            (x_ptr, k, gain_ptr, self.hparams.rms_eps, self.ws.xq.ptr, self.ws.xq_d.ptr),
+            (x_ptr, k, gain_ptr, self.hparams.rms_eps, xq_ptr, xd_ptr),
         )
 
     def mmv(
@@ -358,19 +368,29 @@ class Matmul:
         self._check_fits(min(x.rows, MMV_MAX_ROWS), k)
         variant = kernel_variant(epilogue, rope_layer)
         outputs_per_block = MMV_TILE // 2 if epilogue == EPILOGUE_SWIGLU else MMV_TILE
+        blocks = math.ceil(n_out / outputs_per_block)
+        ws = self.ws
         for first in range(0, x.rows, MMV_MAX_ROWS):
             rows = min(MMV_MAX_ROWS, x.rows - first)
-            self._quantize_rows(x.ptr + first * k * 4, rows, k, gain)
-            tw, ks, ms = next(shape for shape in MMV_SHAPES if mmv_rows(shape) >= rows)
-            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, self.ws.xq.ptr, self.ws.xq_d.ptr, rows)
+            self._quantize_rows(x.ptr + first * k * 4, rows, k, gain, "rf_quantize_q8_tiles",
+                                ws.mmv_xq.ptr, ws.mmv_xq_d.ptr)  # fmt: skip
+            tw, ks, ms = self.mmv_shape(mmv_tiles(rows), blocks)
+            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, ws.mmv_xq.ptr, ws.mmv_xq_d.ptr, rows)
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
                 ("mmv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
                 f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}",
-                (math.ceil(n_out / outputs_per_block), 1, 1),
+                (blocks, 1, 1),
                 (32 * ks * ms, 1, 1),
                 head + tail,
             )
+
+    def mmv_shape(self, tiles: int, blocks: int) -> tuple[int, int, int]:
+        """(TW, KS, MS) of an rf_mmv launch of `blocks` blocks of `tiles` 8-row tiles: the
+        fewest warps declared that give each multiprocessor `mmv_warps_per_sm`, else the most."""
+        target = self.mmv_warps_per_sm * self.driver.info.multiprocessors
+        shapes = MMV_SHAPES[tiles]
+        return next((s for s in shapes if blocks * s[1] * s[2] >= target), shapes[-1])
 
     def gemm(
         self,
@@ -391,7 +411,7 @@ class Matmul:
         k = matrix.k
         ws = self.ws
         self._check_fits(x.rows, k)
-        self._quantize_rows(x.ptr, x.rows, k, gain)
+        self._quantize_rows(x.ptr, x.rows, k, gain, "rf_quantize_q8_rows", ws.xq.ptr, ws.xq_d.ptr)
         tile_n = GEMM_TILE_N // 2 if epilogue == EPILOGUE_SWIGLU else GEMM_TILE_N
         self._launch(
             ("gemm", matrix.qs.ptr, epilogue, x.rows, out_ptr),

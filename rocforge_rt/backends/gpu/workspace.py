@@ -17,6 +17,8 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     ARGMAX_PART_BYTES,
     ATTN_TILE,
     GEMV_MAX_ROWS,
+    MMV_MAX_ROWS,
+    Q8_STAGE,
     QK,
     ROW_STATS_BYTES,
     SAMPLE_CANDIDATES,
@@ -115,6 +117,10 @@ class Workspace:
         self.gemm_max_k = max(hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim_v)
         self.xq = self.zeros(max_tokens * self.gemm_max_k)
         self.xq_d = self.zeros(max_tokens * (self.gemm_max_k // QK) * f32)
+        # The MMV's input, the same in its tiles layout (whole canonical-sum stages).
+        stage_blocks = math.ceil(self.gemm_max_k // QK / Q8_STAGE) * Q8_STAGE
+        self.mmv_xq = self.zeros(MMV_MAX_ROWS * stage_blocks * QK)
+        self.mmv_xq_d = self.zeros(MMV_MAX_ROWS * stage_blocks * f32)
         # The vendor GEMM's operands (when it is on): rows in fp16, one layer matrix in
         # fp16 (bigger ones, the LM head, go in slabs of rows), gate|up outputs in fp16,
         # and the library's own scratch.
