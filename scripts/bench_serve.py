@@ -16,7 +16,8 @@ the aggregate decode rate once generation has begun (the daemon may still be pre
 later streams' prompts inside that window: that is serving under load), and prefill-all ms
 = first request sent -> last stream's first token. Reported: these two, TTFT and inter-token
 latency (ITL, the gaps of all S streams together) p50/p99, and the daemon's own view from
-`stats` (its decode batch sizes). A stream that ends early (an end-of-generation token)
+`stats`: its decode batch sizes, and its engine thread's loop per decode step (its time, and
+the host time of it outside Engine.step). A stream that ends early (an end-of-generation token)
 counts the tokens it made; the finish reasons are recorded.
 
 With --llamacpp-batched PATH-TO-llama-batched-bench, it runs once on the same GGUF in the
@@ -246,7 +247,9 @@ def benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             f" | TTFT p50 {run['ttft_ms']['p50']:,.1f} p99 {run['ttft_ms']['p99']:,.1f} ms"
             f" | ITL p50 {run['itl_ms']['p50']:,.2f} p99 {run['itl_ms']['p99']:,.2f} ms"
             f" | prefill-all {run['prefill_all_ms']:,.1f} ms"
-            f" | daemon decode batch {fmt(run['daemon']['decode_mean_batch'], '.1f')}",
+            f" | daemon decode batch {fmt(run['daemon']['decode_mean_batch'], '.1f')},"
+            f" loop {fmt(run['daemon']['decode_loop_ms'], ',.2f')} ms a step,"
+            f" {fmt(run['daemon']['decode_loop_host_us'], ',.1f')} us of it outside Engine.step",
             file=sys.stderr,
             flush=True,
         )
@@ -301,6 +304,28 @@ def table(report: dict[str, Any]) -> str:
             f" | {run['ttft_ms']['p50']:,.1f} / {run['ttft_ms']['p99']:,.1f}"
             f" | {run['itl_ms']['p50']:,.2f} / {run['itl_ms']['p99']:,.2f}"
             f" | {run['prefill_all_ms']:,.2f} | {fmt(peer.get('t_pp_ms'), ',.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def host_table(report: dict[str, Any]) -> str:
+    """Host time per decode step: the engine's own (Engine.step outside the backend, with
+    --engine) and what the daemon's loop adds around Engine.step; the daemon's rate from its
+    own loop (batch / loop time) beside the clients' tells whether the clients kept up."""
+    lines = [
+        "| streams | engine host us/step | daemon loop host us/step | daemon loop ms/step"
+        " | daemon-side decode tok/s | clients' decode tok/s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in report["runs"]:
+        daemon = run["daemon"]
+        engine = run.get("engine", {}).get("host_per_decode_step", {})
+        loop_ms, batch = daemon["decode_loop_ms"], daemon["decode_mean_batch"]
+        own_rate = batch / loop_ms * 1e3 if loop_ms and batch else None
+        lines.append(
+            f"| {run['streams']} | {fmt(engine.get('engine_us'), ',.1f')}"
+            f" | {fmt(daemon['decode_loop_host_us'], ',.1f')} | {fmt(loop_ms, ',.2f')}"
+            f" | {fmt(own_rate, ',.1f')} | {fmt(run['decode_tokens_per_s'], ',.1f')} |"
         )
     return "\n".join(lines)
 
@@ -428,6 +453,7 @@ def main() -> int:
             status = 1
     write_report(started, args, report, "bench_serve", plot)
     print(table(report), file=sys.stderr)
+    print(host_table(report), file=sys.stderr)
     return status
 
 

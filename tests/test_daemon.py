@@ -559,7 +559,10 @@ def test_stats_has_latency_percentiles_op_table_and_records(client) -> None:
     assert set(latency["e2e_ms"]) == {"n", "mean", "max", "p50", "p90", "p99"}
     ops = {row["op"] for row in stats["overhead"]["ops"]}
     assert {"embed", "norm_qkv_rope", "attention", "matmul_add", "lm_head"} <= ops
-    assert stats["overhead"]["steps"]["decode"]["ops_per_step"] == OPS_PER_TINY_STEP
+    decode = stats["overhead"]["steps"]["decode"]
+    assert decode["ops_per_step"] == OPS_PER_TINY_STEP
+    assert decode["loop_ms"] >= decode["mean_ms"]  # the iteration holds the step
+    assert decode["loop_host_us_per_step"] > 0  # replies sent, usage published
     assert stats["records"][0]["op"] == "generate"
     assert stats["recommendations"]
     assert client.stats(reset=True)["latency"]["requests"] == 1
