@@ -42,6 +42,7 @@ from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
 from rocforge_rt.server.peers import PeerWatch, generated_routing_id, source_fd
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
+from rocforge_rt.server.replies import unpack_batch
 from rocforge_rt.server.security import check_bind, is_loopback_endpoint, secure_server
 from rocforge_rt.server.translate import check_prompt_bytes
 
@@ -225,15 +226,17 @@ class Daemon:
                 self.engine_loop.stop()
 
     def _forward_replies(self) -> bool:
-        """Send the engine thread's replies; True once it has sent its last."""
+        """Send the engine thread's replies (batches: replies.py); True once it has sent its
+        last."""
         while True:
             try:
-                frames = self._replies.recv_multipart(zmq.NOBLOCK)
+                message = self._replies.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            if frames == [END_OF_REPLIES]:
+            if message == END_OF_REPLIES:
                 return True
-            self._send(frames)
+            for frames in unpack_batch(message):
+                self._send(frames)
 
     def _send(self, frames: list[bytes]) -> None:
         """A reply to its client, now or after its earlier ones (the backlog); a client past

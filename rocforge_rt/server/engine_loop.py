@@ -3,8 +3,9 @@
 Threads (one thread drives an Engine: docs/architecture.md). The daemon's I/O thread owns
 the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
 `stats` and `trace` itself, and `submit`s engine work here as Jobs. This thread
-alone calls the engine; it sends replies through its own inproc PUSH socket,
-which the I/O thread forwards to clients, so neither waits on the other.
+alone calls the engine; it sends replies through its own inproc PUSH socket, the
+replies of each flush as one message (replies.py), which the I/O thread splits and
+forwards to clients, so neither waits on the other.
 
 Jobs reach this thread through the prompt thread (prompts.py), which tokenizes their
 prompts on the way. Each iteration takes new jobs (lifecycle.py starts them) and notices of
