@@ -228,11 +228,9 @@ class EngineLoop:
                 return
             lifecycle.reap_idle(now)
             decode, chunks = policy.plan(self.engine.step_budget, self._pending_prompt_tokens)
-            step = None
-            if decode or chunks:
-                step = self._step(decode, chunks)
-                self._flush()
-            self._publish_usage()
+            step = self._step(decode, chunks) if decode or chunks else None
+            if not self._flush():  # usage is published once an iteration, with any replies
+                self._publish_usage()
             if step is not None:
                 kind, engine_ns = step
                 self.op_timer.loop(kind, clock() - started, engine_ns)
@@ -321,12 +319,15 @@ class EngineLoop:
             reset()
             self.runtime_stats = self._runtime_stats()
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
         """Send the replies made so far, after the step that made them is on record and the
-        usage they imply is published (`stats` never lags a reply)."""
-        if self._outbox.pending:
-            self._publish_usage()
-            self._outbox.send(self._out)
+        usage they imply is published (`stats` never lags a reply); False when there were
+        none (nothing published)."""
+        if not self._outbox.pending:
+            return False
+        self._publish_usage()
+        self._outbox.send(self._out)
+        return True
 
     def _publish_usage(self) -> None:
         sessions = [live.session for live in self._lifecycle.sessions.values()]
