@@ -169,6 +169,7 @@ def test_client_health_stats_and_trace(daemon: Daemon, tmp_path: Path, capsys) -
     assert main(["client", "stats", *addr]) == 0
     table = capsys.readouterr().out
     assert "TTFT" in table and "norm_qkv_rope" in table and "recommendations:" in table
+    assert "us outside Engine.step)" in table  # the engine thread's loop per step
     assert main(["client", "stats", "--json", *addr]) == 0
     assert "overhead" in json.loads(capsys.readouterr().out)
     assert (
