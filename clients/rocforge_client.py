@@ -8,7 +8,8 @@ Every call takes a `timeout` in seconds (the client's default when omitted): the
 longest wait for one reply, after which `Timeout` is raised. `deadline` asks the
 daemon to stop the request's work after that many seconds. Errors from the
 daemon raise the `ClientError` subclass of their code (see ERRORS). A Client
-owns one socket: use it from one thread (one Client per thread).
+owns one socket: use it from one thread (one Client per thread). One thread may
+drive many: poll their `socket`s together (zmq.Poller), `send` and `receive`.
 
 A session belongs to whoever holds its token: `open` (and a one-shot `generate`)
 replies with it (`TokenReply.token`), and the client sends it with every later op
@@ -253,6 +254,12 @@ class Client:
 
     def __exit__(self, *_exc: object) -> None:
         self.disconnect()
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The DEALER socket, to poll several clients from one thread: a client whose socket
+        is readable has a reply for `receive`."""
+        return self._socket
 
     def disconnect(self) -> None:
         """Close the socket (sessions stay open on the daemon until closed or idle)."""

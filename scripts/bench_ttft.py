@@ -81,6 +81,8 @@ def daemon_view(server: dict[str, Any]) -> dict[str, Any]:
         "itl_ms": server["latency"]["itl_ms"],
         "decode_mean_batch": decode.get("mean_batch"),
         "decode_step_ms": decode.get("mean_ms"),
+        "decode_loop_ms": decode.get("loop_ms"),  # the engine thread's iteration per decode step
+        "decode_loop_host_us": decode.get("loop_host_us_per_step"),  # of which outside Engine.step
         "steps": server["overhead"]["steps"],
         "runtime": server.get("runtime"),
     }

@@ -83,6 +83,9 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert run["ttft_ms"]["n"] == s and run["itl_ms"]["n"] == s * 3
         assert 0 < run["ttft_ms"]["p50"] <= run["prefill_all_ms"] <= run["wall_s"] * 1000
         assert run["daemon"]["decode_mean_batch"] >= 1
+        assert run["daemon"]["decode_loop_ms"] >= run["daemon"]["decode_step_ms"]
+        assert run["daemon"]["decode_loop_host_us"] > 0  # the daemon's loop beyond Engine.step
+        assert 0 < run["client_busy"] <= 1
         engine = run["engine"]  # the same round on an in-process Engine
         assert engine["completion_tokens"] == s * 4 and engine["decode_tokens"] == s * 3
         assert engine["ttft_ms"]["n"] == s and engine["itl_ms"]["n"] == s * 3
@@ -110,6 +113,10 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         " | TTFT p50/p99 ms | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |"
     ) in result.stderr
     assert "| 2 | " in result.stderr and f"| {fake_decode_tokens_per_s(2):,.1f} |" in result.stderr
+    assert (
+        "| streams | engine host us/step | daemon loop host us/step | daemon loop ms/step"
+        " | daemon-side decode tok/s | clients' decode tok/s | client thread busy |"
+    ) in result.stderr
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from clients.rocforge_client import (
     ERRORS,
@@ -14,6 +15,7 @@ from clients.rocforge_client import (
     ClientError,
     LimitExceeded,
     Timeout,
+    TokenReply,
     connect,
     raise_for_error,
 )
@@ -128,6 +130,25 @@ def test_leaving_a_generate_loop_early_aborts_the_request(client: Client) -> Non
     assert client.stats(records=1)["records"][0]["finish_reason"] == "abort"
 
 
+def test_one_thread_drives_two_clients_by_polling_their_sockets(daemon: Daemon) -> None:
+    with connect(daemon.endpoint, timeout=30) as a, connect(daemon.endpoint, timeout=30) as b:
+        alone = "".join(r.text for r in a.generate(messages=CHAT, max_tokens=6))
+        requests = {c.socket: (c, c.send("generate", messages=CHAT, max_tokens=6)) for c in (a, b)}
+        texts: dict[zmq.Socket, list[str]] = {socket: [] for socket in requests}
+        poller = zmq.Poller()
+        for socket in requests:
+            poller.register(socket, zmq.POLLIN)
+        while requests:
+            for socket, _ in poller.poll(30_000):
+                client, rid = requests[socket]
+                reply = TokenReply.from_reply(client.receive(rid))
+                texts[socket].append(reply.text)
+                if reply.done:
+                    poller.unregister(socket)
+                    del requests[socket]
+    assert ["".join(t) for t in texts.values()] == [alone, alone]
+
+
 def test_per_call_errors_are_typed(client: Client) -> None:
     with pytest.raises(LimitExceeded):
         client.open(messages=CHAT, max_tokens=33)
@@ -148,6 +169,7 @@ def test_client_health_stats_and_trace(daemon: Daemon, tmp_path: Path, capsys) -
     assert main(["client", "stats", *addr]) == 0
     table = capsys.readouterr().out
     assert "TTFT" in table and "norm_qkv_rope" in table and "recommendations:" in table
+    assert "us outside Engine.step)" in table  # the engine thread's loop per step
     assert main(["client", "stats", "--json", *addr]) == 0
     assert "overhead" in json.loads(capsys.readouterr().out)
     assert (

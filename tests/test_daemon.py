@@ -38,6 +38,8 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DaemonConfig, ServerError
 from rocforge_rt.server.daemon import Daemon, State
+from rocforge_rt.server.engine_loop import END_OF_REPLIES
+from rocforge_rt.server.replies import Outbox, pack_batch, unpack_batch
 from rocforge_rt.server.security import SecurityError, generate_keys
 from rocforge_rt.step.forward import LAYER_OPS
 
@@ -542,6 +544,28 @@ def test_oversize_frames_drop_only_their_sender(daemon: Daemon, peer: Peer) -> N
     assert peer.recv()["live"]
 
 
+def test_a_flush_reaches_the_io_thread_as_one_message_of_every_reply_in_order() -> None:
+    replies = [((b"dealer",), {"id": 1, "ok": True}), ((b"req", b""), {"id": 2, "ok": False})]
+    assert unpack_batch(pack_batch(replies)) == [
+        [b"dealer", msgpack.packb(replies[0][1])],
+        [b"req", b"", msgpack.packb(replies[1][1])],
+    ]
+    assert pack_batch(replies[:0]) != END_OF_REPLIES  # even an empty batch is not the end
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.bind("inproc://batch")
+    push.connect("inproc://batch")
+    outbox = Outbox()
+    outbox.pending.extend(replies)
+    outbox.send(push)
+    assert outbox.pending == []
+    assert unpack_batch(pull.recv()) == unpack_batch(pack_batch(replies))
+    assert not pull.poll(0)  # one message
+    push.close(linger=0)
+    pull.close(linger=0)
+    context.term()
+
+
 def test_req_sockets_are_served_too(daemon: Daemon) -> None:
     req = Peer(daemon.endpoint, zmq.REQ)
     req.request(op="health", id=1)
@@ -559,7 +583,10 @@ def test_stats_has_latency_percentiles_op_table_and_records(client) -> None:
     assert set(latency["e2e_ms"]) == {"n", "mean", "max", "p50", "p90", "p99"}
     ops = {row["op"] for row in stats["overhead"]["ops"]}
     assert {"embed", "norm_qkv_rope", "attention", "matmul_add", "lm_head"} <= ops
-    assert stats["overhead"]["steps"]["decode"]["ops_per_step"] == OPS_PER_TINY_STEP
+    decode = stats["overhead"]["steps"]["decode"]
+    assert decode["ops_per_step"] == OPS_PER_TINY_STEP
+    assert decode["loop_ms"] >= decode["mean_ms"]  # the iteration holds the step
+    assert decode["loop_host_us_per_step"] > 0  # replies sent, usage published
     assert stats["records"][0]["op"] == "generate"
     assert stats["recommendations"]
     assert client.stats(reset=True)["latency"]["requests"] == 1

@@ -21,7 +21,7 @@ from rocforge_rt.profiling.launch_tracker import (
     LaunchOverheadTracker,
     LaunchStep,
 )
-from rocforge_rt.profiling.op_timer import StepRecord
+from rocforge_rt.profiling.op_timer import OpTimer, StepRecord
 from rocforge_rt.profiling.trace import ENGINE_TID, GPU_TID, LAUNCH_TID, chrome_trace
 
 
@@ -186,6 +186,24 @@ def test_an_unstable_arg_cache_is_reported():
                                                               "arg_cache_misses": 150}  # fmt: skip
     (advice,) = rec.step_recommendations(stats)
     assert advice["action"] == "keep_args_stable" and advice["value"] == pytest.approx(0.25)
+
+
+# --- op timer -------------------------------------------------------------------------------
+def test_op_timer_reports_the_loop_around_each_step_and_its_host_time_outside_engine_step():
+    timer = OpTimer(object())
+    for loop_ns, engine_ns in ((3_000_000, 2_000_000), (5_000_000, 3_000_000)):
+        with timer.step("decode", n_tokens=4, n_seqs=4):
+            pass
+        timer.loop("decode", loop_ns, engine_ns)
+    with timer.step("prefill", n_tokens=9, n_seqs=1):
+        pass  # a step whose iteration was not recorded
+    steps = timer.snapshot()["steps"]
+    assert steps["decode"]["loop_ms"] == pytest.approx(4.0)
+    assert steps["decode"]["loop_host_us_per_step"] == pytest.approx(1500.0)
+    assert steps["prefill"]["loop_ms"] is None and steps["prefill"]["loop_host_us_per_step"] is None
+    timer.reset()
+    timer.loop("decode", 1_000_000, 0)  # a reset came between its step and its loop: dropped
+    assert timer.snapshot()["steps"] == {}
 
 
 # --- trace export ---------------------------------------------------------------------------

@@ -8,7 +8,10 @@ owns the timer; `snapshot` and `reset` may be called from any thread.
 On the CPU backend an op's host time is its numpy compute; on a GPU backend it
 is the launch cost (in graph mode ops run only while a step graph is captured:
 replayed steps make no op calls). A step's time covers all the engine thread's
-work in it, sampling and replies included. GPU backends report what the host
+work in it, sampling and replies included. `loop` adds the whole scheduler
+iteration around a step (taking requests, sending replies, publishing usage) and
+the time inside Engine.step: their difference is the host time a daemon adds to
+each step beyond the engine's. GPU backends report what the host
 cannot see (arg-cache hits, syncs, graph replay, per-kernel launch and GPU
 times) through an optional `backend.runtime_stats()`; `recommendations.py`
 reads both.
@@ -54,6 +57,9 @@ class _StepTotals:
     op_calls: int = 0
     tokens: int = 0
     seqs: int = 0
+    loops: int = 0
+    loop_ns: int = 0  # scheduler iterations that ran these steps, whole
+    loop_engine_ns: int = 0  # of which inside Engine.step
     durations_ns: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
 
 
@@ -117,6 +123,17 @@ class OpTimer:
                 totals.durations_ns.append(end - start)
             self._recent.append(record)
 
+    def loop(self, kind: str, loop_ns: int, engine_ns: int) -> None:
+        """One scheduler iteration that ran a step of `kind`: its whole time, and the time
+        spent inside Engine.step (dropped when a reset came between the step and this)."""
+        with self._lock:
+            totals = self._step_totals.get(kind)
+            if totals is None:
+                return
+            totals.loops += 1
+            totals.loop_ns += loop_ns
+            totals.loop_engine_ns += engine_ns
+
     def _add_op(self, name: str, _start: int, duration: int) -> None:
         totals = self._ops_totals.setdefault(name, _OpTotals())
         totals.calls += 1
@@ -146,6 +163,7 @@ class OpTimer:
                     v.tokens,
                     v.seqs,
                     sorted(v.durations_ns),
+                    (v.loops, v.loop_ns, v.loop_engine_ns),
                 )
                 for k, v in self._step_totals.items()
             }
@@ -162,7 +180,8 @@ class OpTimer:
             for name, t in sorted(ops.items(), key=lambda kv: -kv[1].total_ns)
         ]
         step_table = {}
-        for kind, (n, total, op_ns, op_calls, tokens, seqs, durations) in steps.items():
+        for kind, (n, total, op_ns, op_calls, tokens, seqs, durations, loop) in steps.items():
+            loops, loop_ns, loop_engine_ns = loop
             step_table[kind] = {
                 "steps": n,
                 "mean_ms": total / n / 1e6,
@@ -173,5 +192,9 @@ class OpTimer:
                 "tokens": tokens,
                 "mean_batch": seqs / n,
                 "host_us_per_token": total / tokens / 1e3 if tokens else 0.0,
+                "loop_ms": loop_ns / loops / 1e6 if loops else None,
+                "loop_host_us_per_step": (
+                    (loop_ns - loop_engine_ns) / loops / 1e3 if loops else None
+                ),
             }
         return {"ops": table, "steps": step_table}

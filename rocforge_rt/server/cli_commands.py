@@ -229,10 +229,16 @@ def format_stats(stats: dict[str, Any]) -> str:
         )
     overhead = stats["overhead"]
     for kind, s in overhead["steps"].items():
+        loop = (
+            ""
+            if s["loop_ms"] is None
+            else f", loop {s['loop_ms']:.2f} ms/step ({s['loop_host_us_per_step']:.0f} us"
+            " outside Engine.step)"
+        )
         lines.append(
             f"{kind} steps: {s['steps']}, mean {s['mean_ms']:.2f} ms, batch {s['mean_batch']:.2f},"
             f" {s['ops_per_step']:.0f} ops/step, host outside ops {s['other_host_us_per_step']:.0f}"
-            f" us/step, {s['host_us_per_token']:.0f} us/token"
+            f" us/step, {s['host_us_per_token']:.0f} us/token{loop}"
         )
     lines.append(
         f"{'op (host time)':<24}{'calls':>9}{'mean us':>11}{'max us':>11}"

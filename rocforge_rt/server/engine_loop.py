@@ -3,8 +3,9 @@
 Threads (one thread drives an Engine: docs/architecture.md). The daemon's I/O thread owns
 the ROUTER socket: it validates requests, answers `health`, `info`, `abort`,
 `stats` and `trace` itself, and `submit`s engine work here as Jobs. This thread
-alone calls the engine; it sends replies through its own inproc PUSH socket,
-which the I/O thread forwards to clients, so neither waits on the other.
+alone calls the engine; it sends replies through its own inproc PUSH socket, the
+replies of each flush as one message (replies.py), which the I/O thread splits and
+forwards to clients, so neither waits on the other.
 
 Jobs reach this thread through the prompt thread (prompts.py), which tokenizes their
 prompts on the way. Each iteration takes new jobs (lifecycle.py starts them) and notices of
@@ -204,9 +205,15 @@ class EngineLoop:
             raise LoadCancelled("warm-up stopped: asked to stop")
 
     def _loop(self) -> None:
-        policy, lifecycle = self._policy, self._lifecycle
+        """Iterate until stopped and idle; each iteration that ran a step goes on record with
+        the op timer's `loop` (from its start, or from the end of a wait for work)."""
+        policy, lifecycle, clock = self._policy, self._lifecycle, time.perf_counter_ns
         while True:
-            self._take_jobs(block=not policy.busy)
+            busy = policy.busy
+            started = clock()
+            self._take_jobs(block=not busy)
+            if not busy:
+                started = clock()
             if self._reset_requested.is_set():
                 self._reset_requested.clear()
                 self._reset_runtime_stats()
@@ -221,10 +228,12 @@ class EngineLoop:
                 return
             lifecycle.reap_idle(now)
             decode, chunks = policy.plan(self.engine.step_budget, self._pending_prompt_tokens)
-            if decode or chunks:
-                self._step(decode, chunks)
-                self._flush()
-            self._publish_usage()
+            step = self._step(decode, chunks) if decode or chunks else None
+            if not self._flush():  # usage is published once an iteration, with any replies
+                self._publish_usage()
+            if step is not None:
+                kind, engine_ns = step
+                self.op_timer.loop(kind, clock() - started, engine_ns)
 
     def _take_jobs(self, *, block: bool) -> None:
         timeout = min(1.0, self.limits.idle_timeout_s / 4)
@@ -247,8 +256,11 @@ class EngineLoop:
     def _pending_prompt_tokens(self, job: Job) -> int:
         return len(self._lifecycle.session_of(job).pending)
 
-    def _step(self, decode: tuple[Job, ...], chunks: tuple[tuple[Job, int], ...]) -> None:
-        """One engine step: a token for every decoding job, the planned prompt chunks."""
+    def _step(
+        self, decode: tuple[Job, ...], chunks: tuple[tuple[Job, int], ...]
+    ) -> tuple[str, int] | None:
+        """One engine step: a token for every decoding job, the planned prompt chunks. Its
+        kind and the ns spent inside Engine.step; None when the engine failed."""
         lifecycle, policy = self._lifecycle, self._policy
         now = time.perf_counter()
         for job, _ in chunks:
@@ -257,6 +269,7 @@ class EngineLoop:
         kind = "mixed" if decode and chunks else "decode" if decode else "prefill"
         n_tokens = len(decode) + sum(n for _, n in chunks)
         with self.op_timer.step(kind, n_tokens=n_tokens, n_seqs=len(decode) + len(chunks)):
+            engine_started = time.perf_counter_ns()
             try:  # replies are host time too
                 out = self.engine.step(
                     [lifecycle.session_of(j) for j in decode],
@@ -264,7 +277,8 @@ class EngineLoop:
                 )
             except Exception as exc:
                 self._engine_failed([*decode, *(j for j, _ in chunks)], exc)
-                return
+                return None
+            engine_ns = time.perf_counter_ns() - engine_started
             for job, event in zip(decode, out.decoded, strict=True):
                 lifecycle.deliver(job, event, policy.after_decode(job, event))
             for (job, _), event in zip(chunks, out.prefilled, strict=True):
@@ -274,6 +288,7 @@ class EngineLoop:
         if decode and self._runtime_stats is not None and now >= self._next_runtime_stats:
             self._next_runtime_stats = now + RUNTIME_STATS_INTERVAL_S
             self.runtime_stats = self._runtime_stats()
+        return kind, engine_ns
 
     def _engine_failed(self, jobs: Sequence[Job], exc: Exception) -> None:
         log.error("engine step failed for requests %s", [j.request.id for j in jobs], exc_info=exc)
@@ -304,12 +319,15 @@ class EngineLoop:
             reset()
             self.runtime_stats = self._runtime_stats()
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
         """Send the replies made so far, after the step that made them is on record and the
-        usage they imply is published (`stats` never lags a reply)."""
-        if self._outbox.pending:
-            self._publish_usage()
-            self._outbox.send(self._out)
+        usage they imply is published (`stats` never lags a reply); False when there were
+        none (nothing published)."""
+        if not self._outbox.pending:
+            return False
+        self._publish_usage()
+        self._outbox.send(self._out)
+        return True
 
     def _publish_usage(self) -> None:
         sessions = [live.session for live in self._lifecycle.sessions.values()]

@@ -4,12 +4,20 @@ Replies to a job: token replies (a streamed token, or a final reply with its
 finish reason, usage and timings) and error replies. A streaming request
 (`generate`) has `done` in every reply, True in its last. `usage_map` is the
 `stats` reply's picture of sessions and KV use.
+
+The replies of one flush reach the I/O thread as one inproc message, a batch
+(`pack_batch`, `unpack_batch`): a msgpack array of each reply's ROUTER frames
+(envelope, then the packed reply). One message a step instead of one a reply: a
+ZeroMQ send releases the GIL and wakes the I/O thread, and the engine thread then
+waits to take it back (measured on 2 CPU cores at 64 streams: the sends took 1.6 ms
+a step, 0.5 ms of it on the CPU; as one batch 0.8 ms, 0.2 ms on the CPU).
 """
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgpack
 import zmq
 
 from rocforge_rt.engine.engine import Engine
@@ -30,9 +38,19 @@ class Outbox:
         self.pending.append((job.envelope, reply))
 
     def send(self, socket: zmq.Socket) -> None:
-        for envelope, reply in self.pending:
-            socket.send_multipart([*envelope, pack(reply)])
+        """Send every pending reply, in order, as one batch."""
+        socket.send(pack_batch(self.pending))
         self.pending.clear()
+
+
+def pack_batch(replies: Sequence[tuple[tuple[bytes, ...], dict[str, Any]]]) -> bytes:
+    """(envelope, reply) pairs as one message (never empty: END_OF_REPLIES is b"")."""
+    return msgpack.packb([[*envelope, pack(reply)] for envelope, reply in replies])
+
+
+def unpack_batch(message: bytes) -> list[list[bytes]]:
+    """A batch's replies, in order, each as the frames of its ROUTER message."""
+    return msgpack.unpackb(message)
 
 
 def _token_map(event: TokenEvent, logprobs: bool) -> dict[str, Any]:
