@@ -22,6 +22,12 @@ clients' thread spent on the CPU (near 1, the clients, not the daemon, set the p
 stream that ends early (an end-of-generation token) counts the tokens it made; the finish
 reasons are recorded.
 
+With --long-prompt L, then (LONG_PROMPT_ROUNDS times, interleaved) an L-token prompt's TTFT
+alone, and sent once --long-prompt-streams streams (default 8) of the rounds' shape all
+have their first token: the ratio of the medians (loaded / idle) says how much running
+streams delay an arriving prompt, and the streams' ITL while it waited how much it delays
+them. A spawned daemon's context then fits L + 2 tokens too.
+
 With --llamacpp-batched PATH-TO-llama-batched-bench, it runs once on the same GGUF in the
 same run, after ours (and after a spawned daemon has stopped): -npp P -ntg T -npl
 S1,S2,... -c max(S) x (P + T) -b 2048 -ub 512 -fa on, -ngl 0 when the daemon runs on the CPU
@@ -50,6 +56,7 @@ import argparse
 import gc
 import shlex
 import shutil
+import statistics
 import sys
 import time
 from datetime import UTC, datetime
@@ -68,6 +75,8 @@ from rocforge_rt.server.config import ServerError
 
 DEFAULT_STREAMS = "1,8,32,64"
 WARMUP_TOKENS = 8
+LATE_TOKENS = 2  # the long prompt's generation: its first token is the figure
+LONG_PROMPT_ROUNDS = 3
 
 
 class StreamFailed(RuntimeError):
@@ -114,24 +123,38 @@ class Stream:
             "sent_at": self.sent,
             "first_token_at": at[0],
             "last_token_at": at[-1],
+            "arrivals": at,
         }
 
 
 def run_round(
     addr: str, args: argparse.Namespace, n_vocab: int, streams: int, max_tokens: int, seed: int
 ) -> list[dict[str, Any]]:
-    """`streams` generations started together, each on its own client socket, all driven
-    from this one thread (a poller over the sockets: a thread per stream cost the client
-    about three times the CPU per reply, on the daemon's machine); each stream's figures."""
+    """`streams` generations started together, each on its own client socket; each stream's
+    figures."""
+    return drive_streams(addr, args, [token_prompt(args.prompt_tokens, seed + i, n_vocab)
+                                      for i in range(streams)], max_tokens)  # fmt: skip
+
+
+def drive_streams(
+    addr: str,
+    args: argparse.Namespace,
+    prompts: list[dict[str, Any]],
+    max_tokens: int,
+    late: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """A generation of each prompt started together, each on its own client socket, all
+    driven from this one thread (a poller over the sockets: a thread per stream cost the
+    client about three times the CPU per reply, on the daemon's machine); `late`, a prompt
+    sent (for LATE_TOKENS tokens) once every other stream has its first token. Each
+    stream's figures, the late one's last."""
     clients: list[Client] = []
     try:
-        for _ in range(streams):
+        for _ in range(len(prompts) + (late is not None)):
             clients.append(connect(addr, curve_keys=args.curve_keys, timeout=args.timeout))
-        running = {
-            c.socket: Stream(c, token_prompt(args.prompt_tokens, seed + i, n_vocab))
-            for i, c in enumerate(clients)
-        }
-        every = list(running.values())
+        every = [Stream(c, fields) for c, fields in zip(clients, [*prompts, late], strict=False)]
+        late_stream = every[-1] if late is not None else None
+        running = {stream.client.socket: stream for stream in every if stream is not late_stream}
         poller = zmq.Poller()
         for socket, stream in running.items():
             poller.register(socket, zmq.POLLIN)
@@ -144,12 +167,49 @@ def run_round(
                 if running[socket].take_reply():
                     poller.unregister(socket)
                     del running[socket]
+            if late_stream is not None and all(s.arrivals for s in every[:-1]):
+                socket = late_stream.client.socket
+                poller.register(socket, zmq.POLLIN)
+                running[socket] = late_stream
+                late_stream.start(LATE_TOKENS)
+                late_stream = None
     except ClientError as e:
-        raise StreamFailed(f"a stream of {streams} failed: {type(e).__name__}: {e}") from None
+        raise StreamFailed(f"a stream of {len(every)} failed: {type(e).__name__}: {e}") from None
     finally:
         for client in clients:
             client.disconnect()
     return [stream.result() for stream in every]
+
+
+def sessions_needed(args: argparse.Namespace) -> int:
+    """The most streams open at once: a round's, or the long prompt's streams and itself."""
+    return max(*args.streams, args.long_prompt_streams + 1 if args.long_prompt else 1)
+
+
+def long_prompt_under_load(addr: str, args: argparse.Namespace, n_vocab: int) -> dict[str, Any]:
+    """TTFT of a --long-prompt token prompt alone and sent while --long-prompt-streams streams
+    decode (medians of LONG_PROMPT_ROUNDS, interleaved), and those streams' ITL meanwhile."""
+    long_prompt = token_prompt(args.long_prompt, 10_000, n_vocab)
+    idle, loaded, itl = [], [], []
+    for i in range(LONG_PROMPT_ROUNDS):
+        idle.append(drive_streams(addr, args, [long_prompt], LATE_TOKENS)[0]["ttft_ms"])
+        prompts = [token_prompt(args.prompt_tokens, 20_000 + 100 * i + j, n_vocab)
+                   for j in range(args.long_prompt_streams)]  # fmt: skip
+        *decoding, late = drive_streams(addr, args, prompts, args.max_tokens, long_prompt)
+        loaded.append(late["ttft_ms"])
+        # The decoding streams' gaps while the late prompt was waiting for its first token.
+        itl += [b - a for r in decoding
+                for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)
+                if late["sent_at"] <= b and a <= late["first_token_at"]]  # fmt: skip
+    idle_ms, loaded_ms = statistics.median(idle), statistics.median(loaded)
+    return {
+        "prompt_tokens": args.long_prompt,
+        "streams": args.long_prompt_streams,
+        "idle_ttft_ms": idle_ms,
+        "loaded_ttft_ms": loaded_ms,
+        "ratio": loaded_ms / idle_ms,
+        "itl_during_ms": distribution(1000.0 * gap for gap in itl),
+    }
 
 
 def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: int) -> dict:
@@ -276,9 +336,10 @@ def benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
     with connect(addr, curve_keys=args.curve_keys, timeout=args.timeout) as client:
         info = client.info()
     sessions = info["limits"]["max_sessions"]
-    if max(args.streams) > sessions:
+    needed = sessions_needed(args)
+    if needed > sessions:
         raise StreamFailed(
-            f"the daemon holds {sessions} sessions, fewer than {max(args.streams)} streams"
+            f"the daemon holds {sessions} sessions, fewer than the {needed} streams needed"
             " (start it with --max-sessions)"
         )
     n_vocab = info["model"]["n_vocab"]
@@ -304,7 +365,18 @@ def benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
-    return {"daemon_info": info, "runs": runs}
+    report = {"daemon_info": info, "runs": runs}
+    if args.long_prompt:
+        report["long_prompt"] = lp = long_prompt_under_load(addr, args, n_vocab)
+        print(
+            f"{lp['prompt_tokens']}-token prompt: TTFT idle {lp['idle_ttft_ms']:,.1f} ms, while"
+            f" {lp['streams']} streams decode {lp['loaded_ttft_ms']:,.1f} ms ({lp['ratio']:.2f}x);"
+            f" their ITL meanwhile p50 {fmt(lp['itl_during_ms']['p50'], ',.2f')}"
+            f" p99 {fmt(lp['itl_during_ms']['p99'], ',.2f')} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+    return report
 
 
 def add_llamacpp(report: dict[str, Any], args: argparse.Namespace, model: str) -> None:
@@ -463,6 +535,11 @@ def main() -> int:
     parser.add_argument(
         "--engine", action="store_true", help="first, the same rounds on an Engine in-process"
     )
+    parser.add_argument(
+        "--long-prompt", type=int, default=0, metavar="L",
+        help="then an L-token prompt's TTFT alone and while --long-prompt-streams decode",
+    )  # fmt: skip
+    parser.add_argument("--long-prompt-streams", type=int, default=8, help="(default 8)")
     parser.add_argument("--llamacpp-batched", metavar="PATH", help="llama-batched-bench to run")
     parser.add_argument(
         "--llamacpp-args",
@@ -476,8 +553,11 @@ def main() -> int:
     if args.prompt_tokens < 1 or args.max_tokens < 2:
         parser.error("--prompt-tokens must be >= 1 and --max-tokens >= 2")
     args.llamacpp_args = shlex.split(args.llamacpp_args)
+    if args.long_prompt < 0 or args.long_prompt_streams < 1:
+        parser.error("--long-prompt must be >= 0 and --long-prompt-streams >= 1")
     if args.ctx_size is None:
-        args.ctx_size = args.prompt_tokens + args.max_tokens + 1
+        longest = max(args.prompt_tokens + args.max_tokens, args.long_prompt + LATE_TOKENS)
+        args.ctx_size = longest + 1
     model = args.spawn_daemon or args.model
     if args.llamacpp_batched:
         if shutil.which(args.llamacpp_batched) is None:
@@ -491,7 +571,7 @@ def main() -> int:
     started = datetime.now(UTC)
     try:
         engine_runs = engine_benchmark(args) if args.engine else []
-        report = against_daemon(args, benchmark, max_sessions=max(args.streams))
+        report = against_daemon(args, benchmark, max_sessions=sessions_needed(args))
     except (StreamFailed, ClientError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -125,6 +125,23 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_bench_times_a_long_prompt_alone_and_while_streams_decode(tiny_model, tmp_path):
+    result = run_bench_serve("--spawn-daemon", tiny_model, "--backend", "cpu", "--streams", "1",
+                             "--prompt-tokens", "4", "--max-tokens", "24", "--long-prompt", "40",
+                             "--long-prompt-streams", "2", "--out", tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (path,) = tmp_path.glob("bench_serve-cpu-*.json")
+    report = json.loads(path.read_text())
+    assert report["daemon_info"]["limits"]["max_sessions"] == 3  # 2 streams + the long prompt
+    assert report["daemon_info"]["limits"]["ctx_size"] == 40 + 2 + 1
+    lp = report["long_prompt"]
+    assert lp["prompt_tokens"] == 40 and lp["streams"] == 2
+    assert lp["idle_ttft_ms"] > 0 and lp["loaded_ttft_ms"] > 0
+    assert lp["ratio"] == pytest.approx(lp["loaded_ttft_ms"] / lp["idle_ttft_ms"])
+    assert lp["itl_during_ms"]["n"] >= 1  # the streams kept decoding while it waited
+    assert "40-token prompt: TTFT idle" in result.stderr
+
+
 def test_serve_bench_engine_needs_a_model_to_load(tmp_path):
     result = run_bench_serve("--addr", "tcp://127.0.0.1:9", "--engine", "--out", tmp_path)
     assert result.returncode != 0 and "--engine needs --spawn-daemon" in result.stderr
