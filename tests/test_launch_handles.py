@@ -20,6 +20,7 @@ from fake_driver import KERNELS, FakeDriver, FakeStatus
 from rocforge_rt.backends.gpu.graph import StepGraph
 from rocforge_rt.backends.gpu.launch import (
     ARG_CACHE_STATS,
+    ArgCacheStats,
     ArgLayout,
     LaunchHandle,
     arg_cache_enabled,
@@ -43,7 +44,11 @@ def _cache_on() -> Iterator[None]:
 
 
 def make_handle(
-    driver: FakeDriver, stream: Any, kernel: str = "k", name: str = "k"
+    driver: FakeDriver,
+    stream: Any,
+    kernel: str = "k",
+    name: str = "k",
+    kernel_stats: ArgCacheStats | None = None,
 ) -> LaunchHandle:
     function = driver.load_module(b"fake").function(kernel)
     return LaunchHandle(
@@ -54,6 +59,7 @@ def make_handle(
         block=(32, 1, 1),
         stream=stream,
         arg_types=KERNELS[kernel],
+        kernel_stats=kernel_stats,
     )
 
 
@@ -155,6 +161,18 @@ def test_hits_misses_bytes_and_version(driver: FakeDriver) -> None:
     assert after["hits"] - before["hits"] == 2
     assert after["misses"] - before["misses"] == 2
     assert after["bytes_repacked"] - before["bytes_repacked"] == 48
+
+
+def test_handles_of_one_kernel_add_up_in_their_shared_kernel_stats(driver: FakeDriver) -> None:
+    shared = ArgCacheStats()
+    stream = driver.create_stream()
+    first, second = (make_handle(driver, stream, kernel_stats=shared) for _ in range(2))
+    first.set_args(1, 2, 3.0, 4)
+    first.set_args(1, 2, 3.0, 4)
+    second.set_args(5, 6, 7.0, 8)
+    assert (shared.hits, shared.misses, shared.bytes_repacked) == (1, 2, 48)
+    assert shared.hits == first.hits + second.hits
+    assert shared.misses == first.misses + second.misses
 
 
 def test_f32_compares_as_packed_bytes(driver: FakeDriver) -> None:

@@ -298,11 +298,11 @@ class StepExecutor:
         launches = self.launch_tracker.snapshot()
         gpu = self.kernel_timer.snapshot()
         kernels: dict[str, dict[str, Any]] = launches.pop("kernels")
-        for handle in self.launcher.handles.values():
-            row = kernels.setdefault(handle.name, {})
-            row["arg_cache_hits"] = row.get("arg_cache_hits", 0) + handle.hits
-            row["arg_cache_misses"] = row.get("arg_cache_misses", 0) + handle.misses
-            row["arg_bytes_repacked"] = row.get("arg_bytes_repacked", 0) + handle.bytes_repacked
+        for name, stats in self.launcher.kernel_stats.items():
+            row = kernels.setdefault(name, {})
+            row["arg_cache_hits"] = stats.hits
+            row["arg_cache_misses"] = stats.misses
+            row["arg_bytes_repacked"] = stats.bytes_repacked
         for name, row in gpu.pop("kernels").items():
             kernels.setdefault(name, {}).update(row)
         return {"launch_overhead": launches, "gpu_time": gpu, "kernels": kernels}
@@ -314,5 +314,7 @@ class StepExecutor:
         self.kernel_timer.reset()
         for handle in self.launcher.handles.values():
             handle.reset_stats()
+        for stats in self.launcher.kernel_stats.values():
+            stats.reset()
         self.steps = 0
         self.host_ns = 0

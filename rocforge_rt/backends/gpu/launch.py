@@ -49,7 +49,8 @@ _perf_ns = time.perf_counter_ns
 
 @dataclass
 class ArgCacheStats:
-    """Process-wide argument-cache counters (`reset` clears all but `epoch`)."""
+    """Argument-cache counters: process-wide (ARG_CACHE_STATS), or of the handles of one
+    kernel name (`reset` clears all but `epoch`)."""
 
     hits: int = 0
     misses: int = 0
@@ -126,8 +127,11 @@ class LaunchHandle:
         arg_types: Sequence[str],
         tracker: LaunchOverheadTracker | None = None,
         overlap: bool = False,
+        kernel_stats: ArgCacheStats | None = None,
     ) -> None:
         self.name = name
+        # Shared by the kernel's handles, so a per-kernel report need not walk them all.
+        self.kernel_stats = kernel_stats if kernel_stats is not None else ArgCacheStats()
         self.tracker = tracker  # told of every launch while it is enabled
         self.function = function
         self.grid = _dims("grid", grid)
@@ -173,6 +177,7 @@ class LaunchHandle:
             self._driver.check_thread()
         if values == self._last_values and _cache_enabled:
             self.hits += 1
+            self.kernel_stats.hits += 1
             ARG_CACHE_STATS.hits += 1
             return True
         scratch = self._scratch
@@ -187,9 +192,10 @@ class LaunchHandle:
             ) from None
         zero_f32 = any(values[i] == 0 for i in self._f32_slots)
         self._last_values = None if zero_f32 else values
-        stats = ARG_CACHE_STATS
+        stats, kernel = ARG_CACHE_STATS, self.kernel_stats
         if self._packed and _cache_enabled and scratch == self._storage:
             self.hits += 1
+            kernel.hits += 1
             stats.hits += 1
             return True
         self._storage[:] = scratch
@@ -198,6 +204,8 @@ class LaunchHandle:
         self.version += 1
         self.misses += 1
         self.bytes_repacked += size
+        kernel.misses += 1
+        kernel.bytes_repacked += size
         stats.misses += 1
         stats.bytes_repacked += size
         stats.epoch += 1

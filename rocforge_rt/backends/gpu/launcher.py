@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
-from rocforge_rt.backends.gpu.launch import LaunchHandle
+from rocforge_rt.backends.gpu.launch import ArgCacheStats, LaunchHandle
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 
@@ -36,6 +36,7 @@ class Launcher:
                 self.functions[name] = module.function(name)
             self.signatures.update(code.signatures)
         self.handles: dict[tuple, LaunchHandle] = {}
+        self.kernel_stats: dict[str, ArgCacheStats] = {}  # argument-cache counters by kernel
         # Set by the step executor for the step being issued:
         self.overlap_step = False  # launches overlap their predecessors (decode steps only)
         self.timer: KernelTimer | None = None  # the kernel timer while a timed step is issued
@@ -63,6 +64,7 @@ class Launcher:
             arg_types=self.signatures[kernel],
             tracker=self.tracker,
             overlap=overlap,
+            kernel_stats=self.kernel_stats.setdefault(kernel, ArgCacheStats()),
         )
 
     def launch(
