@@ -148,11 +148,12 @@ def drive_streams(
     client about three times the CPU per reply, on the daemon's machine); `late`, a prompt
     sent (for LATE_TOKENS tokens) once every other stream has its first token. Each
     stream's figures, the late one's last."""
+    every_prompt = prompts if late is None else [*prompts, late]
     clients: list[Client] = []
     try:
-        for _ in range(len(prompts) + (late is not None)):
+        for _ in every_prompt:
             clients.append(connect(addr, curve_keys=args.curve_keys, timeout=args.timeout))
-        every = [Stream(c, fields) for c, fields in zip(clients, [*prompts, late], strict=False)]
+        every = [Stream(c, fields) for c, fields in zip(clients, every_prompt, strict=True)]
         late_stream = every[-1] if late is not None else None
         running = {stream.client.socket: stream for stream in every if stream is not late_stream}
         poller = zmq.Poller()
@@ -174,7 +175,9 @@ def drive_streams(
                 late_stream.start(LATE_TOKENS)
                 late_stream = None
     except ClientError as e:
-        raise StreamFailed(f"a stream of {len(every)} failed: {type(e).__name__}: {e}") from None
+        raise StreamFailed(
+            f"a stream of {len(every_prompt)} failed: {type(e).__name__}: {e}"
+        ) from None
     finally:
         for client in clients:
             client.disconnect()
