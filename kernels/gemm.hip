@@ -690,7 +690,7 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
 #pragma unroll
             for (int p = 0; p < PAIRS; ++p) {
                 const int pair = p * THREADS + tid;
-                if (pair < block_tiles * 64 && pair < M_PAD * 8) {
+                if (pair < block_tiles * 64) {  // block_tiles <= TW * MS
                     const float* src = s_sums + (pair >> 3) * RF_MMV_PITCH + 2 * (pair & 7);
                     for (int s = 0; s < round_stages; ++s) {
                         const float2 v = *(const float2*)(src + s * SLOT_FLOATS);

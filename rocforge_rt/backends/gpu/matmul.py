@@ -363,8 +363,8 @@ class Matmul:
     ) -> None:
         """out = W x for a few activation rows (rf_mmv, kernels/gemm.hip), the GEMV's
         arithmetic: MMV_MAX_ROWS rows per launch, each quantized once into the workspace's
-        `xq`/`xq_d` first; the narrowest kernel shape that takes them. `rope_layer` as in
-        `gemv`."""
+        `mmv_xq`/`mmv_xq_d` first (the tiles layout); the shape from `mmv_shape`.
+        `rope_layer` as in `gemv`."""
         k = matrix.k
         self._check_fits(min(x.rows, MMV_MAX_ROWS), k)
         variant = kernel_variant(epilogue, rope_layer)
