@@ -16,6 +16,8 @@ each case is certain rather than lucky.
 
 import math
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -355,6 +357,46 @@ def test_the_peer_watch_names_exactly_the_peers_whose_connection_closed() -> Non
             dealer.close(linger=0)
         watch.close()
         router.close(linger=0)
+
+
+FLOOD_THEN_VANISH = """
+import time, zmq
+from rocforge_rt.server.daemon import tune_router
+from rocforge_rt.server.peers import PeerWatch
+
+context = zmq.Context()
+router = context.socket(zmq.ROUTER)
+tune_router(router, max_request_bytes=1 << 16)
+watch = PeerWatch(router)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+flood = context.socket(zmq.DEALER)
+flood.sndhwm = 0
+flood.connect(f"tcp://127.0.0.1:{port}")
+for _ in range(20_000):  # far past the ROUTER's inbound queue: its reads of the peer stop
+    flood.send(b"x" * 100)
+time.sleep(0.5)
+flood.close(linger=0)
+time.sleep(4.5)  # unread meanwhile, as while the daemon shuts down (two 2 s ZMTP heartbeats)
+read = 0
+while router.poll(200):
+    router.recv_multipart()
+    read += 1
+assert watch.socket.poll(2000), "the monitor never said the peer left"
+print(read)
+watch.close()
+router.close(linger=0)
+context.term()
+"""
+
+
+def test_a_peer_that_fills_its_queue_and_vanishes_while_unread_cannot_abort_the_process() -> None:
+    """The daemon's ROUTER, tuned as the daemon tunes it, in a process of its own: libzmq
+    aborts a process whose peer left with its queue full if a ZMTP heartbeat comes due."""
+    done = subprocess.run(
+        [sys.executable, "-c", FLOOD_THEN_VANISH], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "20000"  # every message it sent is still read
 
 
 def test_a_client_that_vanishes_mid_step_has_its_work_stopped_and_its_slot_freed(

@@ -40,7 +40,12 @@ from rocforge_rt.server.backlog import PIPE_MESSAGES, Backlog
 from rocforge_rt.server.config import DaemonConfig, ServerError, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
-from rocforge_rt.server.peers import PeerWatch, generated_routing_id, source_fd
+from rocforge_rt.server.peers import (
+    PeerWatch,
+    generated_routing_id,
+    source_fd,
+    watch_silent_peers,
+)
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
 from rocforge_rt.server.replies import unpack_batch
 from rocforge_rt.server.security import check_bind, is_loopback_endpoint, secure_server
@@ -55,10 +60,17 @@ MAX_FRAMES = 3  # identity, optional empty delimiter (REQ clients), payload
 DRAIN_FRAMES_PER_POLL = 10_000  # frames beyond those of a message dropped per loop iteration
 MAX_SLOW_PEERS_LOGGED = 4096
 LINGER_MS = 1000
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 10_000
 NOBLOCK = int(zmq.NOBLOCK)
 MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
+def tune_router(router: zmq.Socket, max_request_bytes: int) -> None:
+    """The ROUTER's options, set before it binds."""
+    router.router_mandatory = 1  # a reply to a vanished client raises, so its work stops
+    router.maxmsgsize = 2 * max_request_bytes  # larger: the peer is dropped
+    router.sndhwm = PIPE_MESSAGES  # the rest waits in the backlog, bounded in bytes too
+    router.linger = LINGER_MS
+    watch_silent_peers(router)
 
 
 class State(StrEnum):
@@ -114,12 +126,7 @@ class Daemon:
 
     def _configure_router(self) -> None:
         router = self._router
-        router.router_mandatory = 1  # a reply to a vanished client raises, so its work stops
-        router.maxmsgsize = 2 * self.config.max_request_bytes  # larger: the peer is dropped
-        router.sndhwm = PIPE_MESSAGES  # the rest waits in the backlog, bounded in bytes too
-        router.linger = LINGER_MS
-        router.heartbeat_ivl = HEARTBEAT_IVL_MS
-        router.heartbeat_timeout = HEARTBEAT_TIMEOUT_MS
+        tune_router(router, self.config.max_request_bytes)
         if self.config.curve_keys is not None:
             self._auth = secure_server(self._context, router, self.config.curve_keys)
 

@@ -7,9 +7,17 @@ do it instead:
 
 - the socket monitor reports each connection's file descriptor when it is
   accepted (EVENT_ACCEPTED) and when it is disconnected (EVENT_DISCONNECTED:
-  at once when the peer closes its socket or its process dies, or after the
-  heartbeat timeout when it stops answering);
+  at once when the peer closes its socket or its process dies, or once the
+  kernel gives up on a peer that stopped answering, below);
 - each message carries the descriptor it came in on (ZMQ_SRCFD).
+
+A peer that stops answering (its host died, its network went) closes nothing: TCP
+keepalive probes an idle connection and the TCP user timeout bounds unacknowledged
+replies (`watch_silent_peers`), so the kernel reports its connection broken after about
+`SILENT_PEER_S` seconds and the monitor says DISCONNECTED. Not ZeroMQ's own heartbeats
+(ZMQ_HEARTBEAT_IVL): with libzmq 4.3.5 a peer that fills its inbound queue and then
+closes leaves a connection whose next heartbeat aborts the whole process (assertion
+`!_io_error` in stream_engine_base.cpp).
 
 So the peers seen on a descriptor are gone when the monitor says that descriptor
 disconnected. libzmq emits a connection's ACCEPTED before any message of it can be
@@ -33,6 +41,21 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("rocforge.server")
 
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+KEEPALIVE_IDLE_S = 2  # an idle connection is probed after this long
+KEEPALIVE_INTERVAL_S = 2  # then every this long
+KEEPALIVE_PROBES = 4  # unanswered probes before the connection is broken
+SILENT_PEER_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
+
+
+def watch_silent_peers(router: zmq.Socket) -> None:
+    """Have the kernel break connections to peers that stop answering (set before bind):
+    an idle one after SILENT_PEER_S of unanswered keepalive probes, one that leaves replies
+    unacknowledged after SILENT_PEER_S too."""
+    router.tcp_keepalive = 1
+    router.tcp_keepalive_idle = KEEPALIVE_IDLE_S
+    router.tcp_keepalive_intvl = KEEPALIVE_INTERVAL_S
+    router.tcp_keepalive_cnt = KEEPALIVE_PROBES
+    router.tcp_maxrt = SILENT_PEER_S * 1000  # TCP_USER_TIMEOUT on Linux
 
 
 def generated_routing_id(peer: bytes) -> bool:
