@@ -670,15 +670,16 @@ def test_stopping_cuts_requests_in_flight_and_refuses_new_ones(tiny_model: Path)
         assert (last.done, last.finish_reason, last.abort_reason) == (True, "abort", "shutdown")
 
 
-def spawn_serve(launcher: list[str], model: Path, *, ctx_size: int) -> tuple[Any, str]:
-    """`python LAUNCHER serve` of a one-session CPU daemon on a free loopback port, stderr piped."""
+def spawn_serve(launcher: list[str], model: Path, *extra: str, ctx_size: int) -> tuple[Any, str]:
+    """`python LAUNCHER serve` of a one-session CPU daemon on a free loopback port (and `extra`
+    options), stderr piped."""
     from rocforge_rt.server.cli_commands import free_loopback_port
 
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"
     root = str(Path(__file__).resolve().parents[1])
     process = subprocess.Popen(
         [sys.executable, *launcher, "serve", "--model", str(model), "--backend", "cpu",
-         "--bind", addr, "--ctx-size", str(ctx_size), "--max-sessions", "1"],
+         "--bind", addr, "--ctx-size", str(ctx_size), "--max-sessions", "1", *extra],
         env={**os.environ, "PYTHONPATH": root},
         stderr=subprocess.PIPE,
         text=True,

@@ -24,6 +24,7 @@ from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DEFAULT_BIND, DaemonConfig, ServerError
+from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
 REPLY_TIMEOUT_S = 60.0  # a generation's reply can wait for a long prefill
@@ -57,9 +58,7 @@ def _terminate(_signum: int, _frame: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="rocforge serve: %(message)s", stream=sys.stderr
-    )
+    configure_logging(args.log_level, args.log_format)
     previous = signal.signal(signal.SIGTERM, _terminate)  # Daemon.run installs its own
     try:
         _serve(args)
@@ -491,6 +490,12 @@ def add_server_commands(sub: Any) -> None:
         " (unset: refused there)",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line (default: text)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     client = sub.add_parser("client", help="talk to a running daemon")

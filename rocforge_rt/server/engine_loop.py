@@ -38,6 +38,7 @@ from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.op_timer import OpTimer
 from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits, PeerGone
 from rocforge_rt.server.lifecycle import Lifecycle
+from rocforge_rt.server.logs import ThroughputLog
 from rocforge_rt.server.policy import StepPolicy
 from rocforge_rt.server.prompts import PromptThread
 from rocforge_rt.server.protocol import ErrorCode
@@ -151,7 +152,21 @@ class EngineLoop:
             engine, self.limits, self._board, self._policy, self._latency, self._outbox
         )
         self._publish_usage()
-        log.info("ready (warm-up took %.0f ms)", self.info["warmup_ms"])
+        self._throughput = ThroughputLog(time.perf_counter())
+        model, device = self.info["model"], self.info["device"]
+        log.info(
+            "ready: model %s (%s, %d layers), backend %s on %s, %d sessions x %d tokens,"
+            " prefill chunk %d, warm-up %.0f ms",
+            model["name"] or model["path"],
+            model["arch"],
+            model["n_layer"],
+            self.info["backend"],
+            device["device"],
+            engine.slots.n_slots,
+            engine.n_ctx,
+            engine.prefill_chunk,
+            self.info["warmup_ms"],
+        )
 
     def _describe(self) -> dict[str, Any]:
         """The model, backend, device and KV pool, for `info`."""
@@ -231,6 +246,7 @@ class EngineLoop:
             step = self._step(decode, chunks) if decode or chunks else None
             if not self._flush():  # usage is published once an iteration, with any replies
                 self._publish_usage()
+            self._throughput.maybe_log(time.perf_counter(), self.usage)
             if step is not None:
                 kind, engine_ns = step
                 self.op_timer.loop(kind, clock() - started, engine_ns)
@@ -279,6 +295,8 @@ class EngineLoop:
                 self._engine_failed([*decode, *(j for j, _ in chunks)], exc)
                 return None
             engine_ns = time.perf_counter_ns() - engine_started
+            first_tokens = sum(event is not None for event in out.prefilled)
+            self._throughput.add(n_tokens - len(decode), len(decode) + first_tokens)
             for job, event in zip(decode, out.decoded, strict=True):
                 lifecycle.deliver(job, event, policy.after_decode(job, event))
             for (job, _), event in zip(chunks, out.prefilled, strict=True):

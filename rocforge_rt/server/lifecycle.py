@@ -71,6 +71,7 @@ from rocforge_rt.server.jobs import (
     Outcome,
     PeerGone,
 )
+from rocforge_rt.server.logs import log_request_end
 from rocforge_rt.server.policy import Emit, StepPolicy
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, ok_reply
 from rocforge_rt.server.replies import Outbox, final_reply, job_error_reply, stream_reply
@@ -248,6 +249,7 @@ class Lifecycle:
         self.policy.remove(job)
         self.board.retire(job)
         self.outbox.add(job, reply)
+        log_request_end(job.request.op, job.request.id, reply)
         if live is not None and live.job is job:
             live.job = None
             live.last_used = time.perf_counter()
