@@ -60,11 +60,8 @@ def request_fields(op: str, request_id: Any, reply: dict[str, Any]) -> dict[str,
     for key in ("ttft_ms", "e2e_ms", "queue_ms"):
         if key in timings:
             fields[key] = round(timings[key], 3)
-    generated, ttft, e2e = (
-        fields.get("completion_tokens", 0),
-        timings.get("ttft_ms"),
-        timings.get("e2e_ms"),
-    )
+    generated = fields.get("completion_tokens", 0)
+    ttft, e2e = timings.get("ttft_ms"), timings.get("e2e_ms")
     if generated > 1 and ttft is not None and e2e is not None and e2e > ttft:
         fields["decode_tokens_per_s"] = round((generated - 1) / ((e2e - ttft) / 1000.0), 1)
     if reply.get("finish_reason") is not None:
