@@ -59,9 +59,9 @@ def arg_cache_off_step_stats(engine: Engine, n_decode: int, rng: np.random.Gener
 
 
 def bench_mode(
-    args: argparse.Namespace, mode: str | None, overlap: bool = True
+    args: argparse.Namespace, mode: str | None, overlap: bool = True, lookahead: bool = True
 ) -> dict[str, object]:
-    options = {"mode": mode, "overlap": overlap} if mode else {}
+    options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
     n_ctx = args.n_prompt + args.n_decode + 8
     engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
     rng = np.random.default_rng(0)
@@ -85,7 +85,7 @@ def bench_mode(
     }
     if mode == "deferred":  # host cost of issuing a step, with and without the arg cache
         result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(engine, args.n_decode, rng)
-    label = (mode or engine.backend.name) + ("" if overlap else " (no overlap)")
+    label = mode_label(mode or engine.backend.name, overlap, lookahead)
     print(
         f"{label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
         f" (sampled {result['decode_sampled_tokens_per_s']:9.1f})"
@@ -93,6 +93,10 @@ def bench_mode(
         file=sys.stderr,
     )
     return result
+
+
+def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:
+    return mode + ("" if overlap else " (no overlap)") + ("" if lookahead else " (not pipelined)")
 
 
 def llama_bench_figures(run: LlamaBenchRun) -> dict[str, float]:
@@ -118,6 +122,11 @@ def main() -> int:
         action="store_true",
         help="also run each GPU mode without programmatic dependent launch",
     )
+    parser.add_argument(
+        "--pipelined-ab",
+        action="store_true",
+        help="also run graph mode with each decode step read back before the next is issued",
+    )
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
 
@@ -127,7 +136,9 @@ def main() -> int:
     for mode in modes:
         report["modes"][mode or "cpu"] = bench_mode(args, mode)
         if mode and args.overlap_ab:
-            report["modes"][f"{mode} (no overlap)"] = bench_mode(args, mode, overlap=False)
+            report["modes"][mode_label(mode, False, True)] = bench_mode(args, mode, overlap=False)
+        if mode == "graph" and args.pipelined_ab:
+            report["modes"][mode_label(mode, True, False)] = bench_mode(args, mode, lookahead=False)
     status = 0
     if args.llamacpp:
         try:

@@ -13,11 +13,16 @@ received) and the gaps between tokens; over all S streams:
                     / (last stream's last token - first stream's first token)
 
 the aggregate decode rate once generation has begun (the daemon may still be prefilling
-later streams' prompts inside that window: that is serving under load), and prefill-all ms
-= first request sent -> last stream's first token. Reported: these two, TTFT and inter-token
-latency (ITL, the gaps of all S streams together) p50/p99, and the daemon's own view from
-`stats`: its decode batch sizes, and its engine thread's loop per decode step (its time, and
-the host time of it outside Engine.step). `client_busy`: the share of the round the
+later streams' prompts inside that window: that is serving under load);
+
+  steady tokens/s = tokens received from the last stream's first token to the first
+                    stream's last token / that time
+
+the rate while all S streams decode (llama-batched-bench's decode steps all run all S); and
+prefill-all ms = first request sent -> last stream's first token. Reported: these, TTFT and
+inter-token latency (ITL, the gaps of all S streams together) p50/p99, and the daemon's
+own view from `stats`: its decode batch sizes, and its engine thread's loop per decode step
+(its time, and the host time of it outside Engine.step). `client_busy`: the share of the round the
 clients' thread spent on the CPU (near 1, the clients, not the daemon, set the pace). A
 stream that ends early (an end-of-generation token) counts the tokens it made; the finish
 reasons are recorded.
@@ -59,6 +64,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -220,15 +226,17 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
     host microseconds per decode step (see the module docstring)."""
     backend, n_vocab = engine.backend, engine.hparams.n_vocab
     in_backend_ns = 0
-    run_step = backend.run_step
 
-    def timed_run_step(*a: Any) -> Any:
-        nonlocal in_backend_ns
-        start = time.perf_counter_ns()
-        try:
-            return run_step(*a)
-        finally:
-            in_backend_ns += time.perf_counter_ns() - start
+    def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(*a: Any, **kw: Any) -> Any:
+            nonlocal in_backend_ns
+            start = time.perf_counter_ns()
+            try:
+                return call(*a, **kw)
+            finally:
+                in_backend_ns += time.perf_counter_ns() - start
+
+        return timed_call
 
     sent = time.perf_counter()
     sessions: list[Session] = []
@@ -240,7 +248,7 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
         times[id(session)] = []
     if hasattr(backend, "reset_runtime_stats"):
         backend.reset_runtime_stats()
-    backend.run_step = timed_run_step  # this instance only, for this round
+    backend.run_step, backend.take_ahead = timed(backend.run_step), timed(backend.take_ahead)
     decode_steps, decode_step_ns, decode_backend_ns = 0, 0, 0
     try:
         waiting = list(sessions)
@@ -261,7 +269,7 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
                     waiting.remove(s)
                     times[id(s)].append(now)
     finally:
-        del backend.run_step
+        del backend.run_step, backend.take_ahead  # this instance's: the class's again
     stats = backend.runtime_stats() if hasattr(backend, "runtime_stats") else {}
     results = []
     for s in sessions:
@@ -272,6 +280,7 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
             "first_token_at": at[0], "last_token_at": at[-1], "ttft_ms": (at[0] - sent) * 1e3,
             "itl_ms": [(b - a) * 1e3 for a, b in zip(at, at[1:], strict=False)],
             "e2e_ms": (at[-1] - sent) * 1e3, "finish_reason": str(s.finish_reason),
+            "arrivals": at,
         })  # fmt: skip
     run = summarize(results)
     steps = max(decode_steps, 1)
@@ -286,7 +295,11 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
 def engine_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     """--engine: each stream count's round on an Engine in this process (after a warm-up)."""
     engine = Engine.load(
-        args.spawn_daemon, backend=args.backend, n_slots=max(args.streams), n_ctx=args.ctx_size
+        args.spawn_daemon,
+        backend=args.backend,
+        n_slots=max(args.streams),
+        n_ctx=args.ctx_size,
+        lookahead=not args.no_pipelined_decode,
     )
     runs = []
     try:
@@ -298,7 +311,8 @@ def engine_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             host = run["host_per_decode_step"]
             print(
                 f"engine, streams {streams:>3}: decode {fmt(run['decode_tokens_per_s'], ',.1f')}"
-                f" tok/s | TTFT p50 {run['ttft_ms']['p50']:,.1f} ms"
+                f" tok/s, steady {fmt(run['steady_tokens_per_s'], ',.1f')}"
+                f" | TTFT p50 {run['ttft_ms']['p50']:,.1f} ms"
                 f" | host per decode step: engine {host['engine_us']:,.1f} us,"
                 f" issue {fmt(host['issue_us'], ',.1f')} us",
                 file=sys.stderr,
@@ -318,6 +332,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     decode_from = min(r["first_token_at"] for r in results)
     decode_to = max(r["last_token_at"] for r in results)
     window = decode_to - decode_from
+    all_from = max(r["first_token_at"] for r in results)
+    all_to = min(r["last_token_at"] for r in results)
+    steady = sum(all_from < t <= all_to for r in results for t in r["arrivals"])
     sent = min(r["sent_at"] for r in results)
     return {
         "streams": streams,
@@ -326,6 +343,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_tokens": generated - streams,
         "decode_window_s": window,
         "decode_tokens_per_s": (generated - streams) / window if window > 0 else None,
+        "steady_tokens_per_s": steady / (all_to - all_from) if all_to > all_from else None,
         "prefill_all_ms": (max(r["first_token_at"] for r in results) - sent) * 1000.0,
         "wall_s": decode_to - sent,
         "ttft_ms": distribution(r["ttft_ms"] for r in results),
@@ -358,7 +376,8 @@ def benchmark(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             run["daemon"] = daemon_view(client.stats())
         runs.append(run)
         print(
-            f"streams {streams:>3}: decode {fmt(run['decode_tokens_per_s'], ',.1f')} tok/s"
+            f"streams {streams:>3}: decode {fmt(run['decode_tokens_per_s'], ',.1f')} tok/s,"
+            f" steady {fmt(run['steady_tokens_per_s'], ',.1f')}"
             f" | TTFT p50 {run['ttft_ms']['p50']:,.1f} p99 {run['ttft_ms']['p99']:,.1f} ms"
             f" | ITL p50 {run['itl_ms']['p50']:,.2f} p99 {run['itl_ms']['p99']:,.2f} ms"
             f" | prefill-all {run['prefill_all_ms']:,.1f} ms"
@@ -406,8 +425,9 @@ def add_llamacpp(report: dict[str, Any], args: argparse.Namespace, model: str) -
             "itl_ms": row["t_tg"] * 1000.0 / row["tg"],
             "row": row,
         }
-        ours = run["decode_tokens_per_s"]
-        run["ratio"] = ours / row["speed_tg"] if ours and row["speed_tg"] else None
+        for key, ours in (("ratio", run["decode_tokens_per_s"]),
+                          ("steady_ratio", run["steady_tokens_per_s"])):  # fmt: skip
+            run[key] = ours / row["speed_tg"] if ours and row["speed_tg"] else None
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -417,8 +437,9 @@ def fmt(value: float | None, spec: str) -> str:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| streams | engine decode tok/s | ours decode tok/s | llama.cpp decode tok/s | ratio"
+        " | engine / ours steady tok/s | steady ratio"
         " | TTFT p50/p99 ms | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in report["runs"]:
         peer = run.get("llamacpp", {})
@@ -427,6 +448,8 @@ def table(report: dict[str, Any]) -> str:
             f"| {run['streams']} | {fmt(engine.get('decode_tokens_per_s'), ',.1f')}"
             f" | {fmt(run['decode_tokens_per_s'], ',.1f')}"
             f" | {fmt(peer.get('decode_tokens_per_s'), ',.1f')} | {fmt(run.get('ratio'), '.2f')}"
+            f" | {fmt(engine.get('steady_tokens_per_s'), ',.1f')}"
+            f" / {fmt(run['steady_tokens_per_s'], ',.1f')} | {fmt(run.get('steady_ratio'), '.2f')}"
             f" | {run['ttft_ms']['p50']:,.1f} / {run['ttft_ms']['p99']:,.1f}"
             f" | {run['itl_ms']['p50']:,.2f} / {run['itl_ms']['p99']:,.2f}"
             f" | {run['prefill_all_ms']:,.2f} | {fmt(peer.get('t_pp_ms'), ',.2f')} |"
@@ -526,6 +549,11 @@ def main() -> int:
     target.add_argument("--spawn-daemon", metavar="MODEL", help="start a daemon on this GGUF")
     parser.add_argument("--model", help="with --addr: the GGUF it serves (for llama.cpp)")
     parser.add_argument("--backend", default="auto", help="for --spawn-daemon")
+    parser.add_argument(
+        "--no-pipelined-decode",
+        action="store_true",
+        help="for --spawn-daemon and --engine: each decode step read back before the next",
+    )
     parser.add_argument("--ctx-size", type=int, help="for --spawn-daemon (default P + T + 1)")
     parser.add_argument(
         "--streams",
@@ -574,7 +602,10 @@ def main() -> int:
     started = datetime.now(UTC)
     try:
         engine_runs = engine_benchmark(args) if args.engine else []
-        report = against_daemon(args, benchmark, max_sessions=sessions_needed(args))
+        serve_args = ["--no-pipelined-decode"] if args.no_pipelined_decode else []
+        report = against_daemon(
+            args, benchmark, max_sessions=sessions_needed(args), serve_args=serve_args
+        )
     except (StreamFailed, ClientError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -192,14 +192,15 @@ def against_daemon(
     benchmark: Callable[[str, argparse.Namespace], dict[str, Any]],
     *,
     max_sessions: int,
+    serve_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """benchmark(addr, args) against --addr, or a daemon spawned on --spawn-daemon with
-    --backend, --ctx-size and `max_sessions` (stopped afterwards)."""
+    --backend, --ctx-size, `max_sessions` and `serve_args` (stopped afterwards)."""
     if not args.spawn_daemon:
         return benchmark(args.addr, args)
     serve_args = [
         "--backend", args.backend, "--ctx-size", str(args.ctx_size),
-        "--max-sessions", str(max_sessions), "--log-level", "warning",
+        "--max-sessions", str(max_sessions), "--log-level", "warning", *serve_args,
     ]  # fmt: skip
     with LocalDaemon(Path(args.spawn_daemon), serve_args) as daemon:
         report = benchmark(daemon.addr, args)

@@ -80,6 +80,8 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert run["prompt_tokens_mean"] == 4 and run["completion_tokens"] == s * 4
         assert run["decode_tokens"] == s * 3 and run["finish_reasons"] == ["length"]
         assert run["decode_tokens_per_s"] == pytest.approx(s * 3 / run["decode_window_s"])
+        if s == 1:  # all streams decode from its first token to its last
+            assert run["steady_tokens_per_s"] == pytest.approx(run["decode_tokens_per_s"])
         assert run["ttft_ms"]["n"] == s and run["itl_ms"]["n"] == s * 3
         assert 0 < run["ttft_ms"]["p50"] <= run["prefill_all_ms"] <= run["wall_s"] * 1000
         assert run["daemon"]["decode_mean_batch"] >= 1
@@ -99,6 +101,9 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
         assert run["ratio"] == pytest.approx(
             run["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
         )
+        assert run["steady_ratio"] == pytest.approx(
+            run["steady_tokens_per_s"] / peer["decode_tokens_per_s"]
+        )
 
     llamacpp = report["llamacpp"]
     assert llamacpp["build"] == {"build_number": 4321, "build_commit": "fa4e1c0"}
@@ -110,6 +115,7 @@ def test_serve_bench_runs_each_stream_count_and_llama_batched_bench_into_json_ta
 
     assert (
         "| streams | engine decode tok/s | ours decode tok/s | llama.cpp decode tok/s | ratio"
+        " | engine / ours steady tok/s | steady ratio"
         " | TTFT p50/p99 ms | ITL p50/p99 ms | our prefill-all ms | llama.cpp T_PP ms |"
     ) in result.stderr
     assert "| 2 | " in result.stderr and f"| {fake_decode_tokens_per_s(2):,.1f} |" in result.stderr

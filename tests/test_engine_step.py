@@ -19,12 +19,14 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(cuda.device_count() == 0, reason="no 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=GPU)])
 def engine(request) -> Engine:
     """4 slots of 64 positions: the tiny model on the CPU; on a GPU the SmolLM2-shape model
-    (the attention kernels take no head dim below 32), batch invariant."""
+    (the attention kernels take no head dim below 32), batch invariant, each step run on its
+    own (pipelined decode, which takes decode rows from a step issued before: its tests)."""
     if request.param == "cpu":
         model = request.getfixturevalue("tiny_model")
         return Engine.load(model, backend="cpu", n_slots=4, n_ctx=64)
     model = request.getfixturevalue("synthetic_model")
-    return Engine.load(model, backend="cuda", n_slots=4, n_ctx=64, batch_invariant=True)
+    options = {"batch_invariant": True, "lookahead": False}
+    return Engine.load(model, backend="cuda", n_slots=4, n_ctx=64, **options)
 
 
 def alone(engine: Engine, prompt: list[int], n: int) -> list[tuple]:

@@ -60,7 +60,7 @@ def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
         positions = rng.integers(0, 60, ROWS).tolist()
         batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)),
                                  RowSampling.of(samplers))  # fmt: skip
-        out = gpu.run_step(batch, lambda: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
+        out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
         for row, sampler in enumerate(samplers):
             want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
             mismatches += int(out.tokens[row]) != want.token
@@ -79,7 +79,7 @@ def test_the_device_sampler_advances_the_step_state():
     sampling = RowSampling.of([Sampler(SamplingParams(temperature=1.0, seed=4)),
                                Sampler(SamplingParams())])  # fmt: skip
     batch = StepBatch.decode([7, 8], [10, 20], [0, 1], sampling)
-    out = gpu.run_step(batch, lambda: Activation(gpu.workspace.logits, 2, n_vocab), False)
+    out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, 2, n_vocab), False)
     state = np.empty(4, dtype=np.int32)
     gpu.driver.copy_dtoh(state[:2], gpu.workspace.step_tokens, nbytes=8)
     gpu.driver.copy_dtoh(state[2:], gpu.workspace.step_positions, nbytes=8)

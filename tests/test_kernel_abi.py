@@ -203,10 +203,10 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         model = random_model(gpu, hp, np.random.default_rng(1))
         gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
         for batch in batches:
-            gpu.run_step(batch, lambda b=batch: forward(gpu, model, b), want_logits=True)
+            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         gpu.matmul.mmv_min_rows = GEMV_MAX_ROWS + 1  # the multi-row GEMV (an A/B lever)
         for batch in batches[-2:]:
-            gpu.run_step(batch, lambda b=batch: forward(gpu, model, b), want_logits=True)
+            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
 
 
@@ -256,7 +256,7 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
         gpu.matmul.vendor_min_flop = 0  # this small model's matmuls too
         model = random_model(gpu, hp, np.random.default_rng(1))
         batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
-        gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
+        gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         kernels = {kernel for _, kernel, _ in driver.log}
         w16, w16_bytes, logits = (
             gpu.workspace.w16.ptr,
@@ -290,7 +290,7 @@ def test_matmuls_below_vendor_min_flop_take_the_int8_gemm(monkeypatch: pytest.Mo
         model = random_model(gpu, hp, np.random.default_rng(1))
         batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
         gpu.matmul.vendor_min_flop = 2 * CHUNK * 8192 * 576  # the LM head's, the biggest
-        gpu.run_step(batch, lambda: forward(gpu, model, batch), want_logits=True)
+        gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         kernels = [kernel for _, kernel, _ in driver.log]
     assert {c["out_pitch"] for c in blas.calls} == {8192}  # the LM head alone (in slabs)
     assert sum(c["n"] for c in blas.calls) == 8192

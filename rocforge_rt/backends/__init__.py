@@ -51,15 +51,18 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
 
     Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens`, `mode`
     (per-kernel-sync, deferred, graph), `overlap` (programmatic dependent launch, on by
-    default where the device has it) and `batch_invariant` (prompt chunks on the int8
-    GEMM instead of the vendor GEMM) for the GPU backends. The CPU backend is batch
-    invariant whatever `batch_invariant` says.
+    default where the device has it), `batch_invariant` (prompt chunks on the int8
+    GEMM instead of the vendor GEMM) and `lookahead` (pipelined decode in graph mode, on by
+    default) for the GPU backends. The CPU backend is batch invariant whatever
+    `batch_invariant` says, and takes no part in pipelined decode here (it would only compute
+    dropped rows: CpuBackend's own `lookahead` is for the engine's tests).
     """
     resolved = resolve_backend_name(name)
     if resolved == "cpu":
         from rocforge_rt.backends.cpu import CpuBackend
 
         options.pop("batch_invariant", None)
+        options.pop("lookahead", None)
         options.pop("max_tokens", None)
         return CpuBackend(hparams, n_slots, n_ctx, **options)
     from rocforge_rt.backends.gpu.backend import GpuBackend

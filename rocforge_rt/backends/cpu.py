@@ -20,11 +20,13 @@ order (`kernels/rf_q8.h`): stages of two blocks, each added by a fused multiply-
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
+from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.batch import StepBatch
@@ -213,11 +215,24 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, hparams: HParams, n_slots: int, n_ctx: int, activations: str = "q8") -> None:
+    def __init__(
+        self,
+        hparams: HParams,
+        n_slots: int,
+        n_ctx: int,
+        activations: str = "q8",
+        lookahead: bool = False,
+    ) -> None:
+        """`lookahead`: take part in pipelined decode (StepRunner) the lazy way: a step
+        issued ahead runs when it is taken, and not at all when it is dropped. The host has
+        nothing to overlap it with, so it is off by default; the engine's tests turn it on."""
         if activations not in ("q8", "f32"):
             raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
         self.hparams = hparams
         self.activations = activations
+        self.lookahead = lookahead
+        # The step issued ahead: the step before it, its output, and the forward to run.
+        self._ahead: tuple[StepBatch, StepOutput, Callable[[StepBatch], np.ndarray]] | None = None
         self.n_ctx = n_ctx
         shape_k = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_k)
         shape_v = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_v)
@@ -234,9 +249,39 @@ class CpuBackend:
         return values
 
     def run_step(
-        self, batch: StepBatch, run_forward: Callable[[], np.ndarray], want_logits: bool
+        self,
+        batch: StepBatch,
+        forward: Callable[[StepBatch], np.ndarray],
+        want_logits: bool,
+        ahead: bool = False,
     ) -> StepOutput:
-        logits = run_forward()
+        self._ahead = None
+        out = self._step(batch, forward, want_logits)
+        if ahead and self.lookahead and not want_logits and self._fits_next(batch):
+            self._ahead = (batch, out, forward)
+        return replace(out, ahead=self._ahead is not None)
+
+    def take_ahead(self, again: bool) -> StepOutput:
+        if self._ahead is None:
+            raise BackendError("no step was issued ahead")
+        before, before_out, forward = self._ahead
+        batch = before.next_decode(before_out.tokens)
+        out = self._step(batch, forward, False)
+        self._ahead = (batch, out, forward) if again and self._fits_next(batch) else None
+        return replace(out, ahead=self._ahead is not None)
+
+    def discard_ahead(self) -> None:
+        self._ahead = None
+
+    def _fits_next(self, batch: StepBatch) -> bool:
+        """Whether the decode step after `batch` (a decode step) stays inside its slots."""
+        return batch.decode_shaped and int(batch.positions.max()) + 1 < self.n_ctx
+
+    @staticmethod
+    def _step(
+        batch: StepBatch, forward: Callable[[StepBatch], np.ndarray], want_logits: bool
+    ) -> StepOutput:
+        logits = forward(batch)
         picked = [
             sample_row(row, *batch.sampling.row(r), int(position))
             for r, (row, position) in enumerate(zip(logits, batch.draw_positions, strict=True))

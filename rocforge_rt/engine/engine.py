@@ -4,6 +4,15 @@ Contract: one thread drives an Engine (its executor). The daemon hands work to
 that thread; nothing else calls in, except the slot allocator (`slots`), which is
 thread-safe: the daemon reserves a slot there when it accepts a request that will
 open a session, and hands it to `open_session`.
+
+Pipelined decode: after a decode-only step the engine asks the backend to issue the
+next decode step of the same rows before reading this one back (StepRunner, where the
+backend can: the GPU's graph mode), so that the caller's work between steps (stops,
+detokenization, replies) overlaps the device's. The next `step` takes that step's tokens
+for each of its decode sessions that still wants exactly it (same token, position and
+sampler); rows of sessions that ended are dropped, and a step that wants anything else
+drops the whole step issued ahead and runs its own. A dropped row's KV entry lies past
+its session's context and is overwritten before it is read.
 """
 
 import itertools
@@ -70,6 +79,17 @@ def _stop_point(should_stop: Callable[[], bool] | None) -> None:
 
 
 @dataclass(frozen=True)
+class AheadRow:
+    """A row of the decode step issued ahead: what it feeds the device, so that it is
+    taken only for a session that still wants exactly that step."""
+
+    session: Session
+    token: int  # sampled by the step before
+    position: int
+    sampler: Sampler
+
+
+@dataclass(frozen=True)
 class StepEvents:
     """What one scheduler step (`Engine.step`) produced."""
 
@@ -118,6 +138,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self._session_ids = itertools.count(1)
+        self._ahead: tuple[AheadRow, ...] | None = None  # the decode step issued ahead
 
     @classmethod
     def load(
@@ -264,15 +285,65 @@ class Engine:
         """Tokens one `step` may take (decode rows and prompt chunks together)."""
         return step_token_budget(self.prefill_chunk, self.slots.n_slots)
 
-    def _run(self, batch: StepBatch, want_logits: bool) -> StepOutput:
-        return self.backend.run_step(
-            batch, lambda: forward(self.ops, self.weights, batch), want_logits
-        )
+    def _forward(self, batch: StepBatch) -> Any:
+        return forward(self.ops, self.weights, batch)
 
-    def _sample(self, sessions: Sequence[Session], batch: StepBatch) -> list[TokenEvent]:
-        """Run the step (the backend samples each row) and let each session take its token."""
-        out = self._run(batch, False)
+    def _run(self, batch: StepBatch, want_logits: bool, ahead: bool = False) -> StepOutput:
+        self._ahead = None  # another step: the backend drops the one issued ahead
+        return self.backend.run_step(batch, self._forward, want_logits, ahead)
+
+    def _sample(
+        self, sessions: Sequence[Session], batch: StepBatch, ahead: bool
+    ) -> list[TokenEvent]:
+        """Run the step (the backend samples each row) and let each session take its token;
+        `ahead`: the backend may issue these rows' next decode step before reading this one."""
+        out = self._run(batch, False, ahead)
+        self._note_ahead(out, sessions)
         return [session.accept(out.sampled(row)) for row, session in enumerate(sessions)]
+
+    def _note_ahead(self, out: StepOutput, sessions: Sequence[Session]) -> None:
+        """Remember what the step issued ahead (if one was) feeds each row: the token `out`
+        sampled, at the position after the session's last."""
+        if out.ahead:
+            self._ahead = tuple(
+                AheadRow(s, int(out.tokens[row]), s.n_past, s.sampler)
+                for row, s in enumerate(sessions)
+            )
+
+    @staticmethod
+    def _may_look_ahead(sessions: Sequence[Session]) -> bool:
+        """Whether the decode step after the one these sessions just took their tokens for
+        is worth issuing before it is read: not when every session is sure to end with this
+        step's token (its token limit). The backend also declines a step past a slot's end."""
+        return any(s.n_generated + 1 < s.max_new_tokens for s in sessions)
+
+    def _take_ahead(
+        self, decode: Sequence[Session], prefill: Sequence[tuple[Session, int]]
+    ) -> dict[int, TokenEvent]:
+        """The decode sessions' tokens from the step issued ahead, when it is the step every
+        one of them wants now (its rows may be more: those are dropped); else it is dropped
+        and {} returned. Issues the step after it first when the same rows decode on."""
+        rows, self._ahead = self._ahead, None
+        index = {id(row.session): r for r, row in enumerate(rows)}
+
+        def wants_it(s: Session) -> bool:
+            row = rows[index[id(s)]] if id(s) in index else None
+            return (
+                row is not None
+                and s.pending == [row.token]
+                and s.n_past == row.position
+                and s.sampler is row.sampler
+            )
+
+        if not decode or not all(map(wants_it, decode)):
+            self.backend.discard_ahead()
+            return {}
+        for s in decode:
+            s.take_pending(1)
+        again = not prefill and len(decode) == len(rows) and self._may_look_ahead(decode)
+        out = self.backend.take_ahead(again)
+        self._note_ahead(out, [row.session for row in rows])
+        return {id(s): s.accept(out.sampled(index[id(s)])) for s in decode}
 
     @staticmethod
     def _sampling(sessions: Sequence[Session]) -> RowSampling:
@@ -322,8 +393,10 @@ class Engine:
                     f" {len(session.pending)} pending, or the session twice in one step",
                 )
             seen.add(session.session_id)
+        events = self._take_ahead(decode, prefill) if self._ahead is not None else {}
+        to_run = () if events else decode  # not already served by the step issued ahead
         parts: list[tuple[Session, SequencePart]] = []
-        for session, n in (*prefill, *((s, 1) for s in decode)):
+        for session, n in (*prefill, *((s, 1) for s in to_run)):
             start = session.n_past
             tokens = session.take_pending(n)
             parts.append((session, SequencePart(tokens, start, session.slot, not session.pending)))
@@ -331,11 +404,11 @@ class Engine:
             passes = [parts]
         else:
             passes = [[part] for part in parts[: len(prefill)]] + [parts[len(prefill) :]]
-        events: dict[int, TokenEvent] = {}
         for group in filter(None, passes):
             sampled = [s for s, part in group if part.wants_logits]
             batch = StepBatch.ragged([part for _, part in group], self._sampling(sampled))
-            events.update(zip(map(id, sampled), self._sample(sampled, batch), strict=True))
+            ahead = not prefill and self._may_look_ahead(sampled)  # a decode-only step
+            events.update(zip(map(id, sampled), self._sample(sampled, batch, ahead), strict=True))
         return StepEvents(
             decoded=[events[id(s)] for s in decode],
             prefilled=[events.get(id(s)) for s, _ in prefill],

@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         prefill_chunk=args.prefill_chunk,
         batch_invariant=args.batch_invariant,
+        pipelined_decode=not args.no_pipelined_decode,
         curve_keys=Path(args.curve_keys) if args.curve_keys else None,
         max_sessions_per_client=args.max_sessions_per_client,
         operator_key=args.operator_key,
@@ -475,6 +476,11 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument("--max-request-bytes", type=parse_size, default=1 << 20)
     serve.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     serve.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
+    serve.add_argument(
+        "--no-pipelined-decode",
+        action="store_true",
+        help="GPU: read each decode step back before issuing the next (for A/B runs)",
+    )
     serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
     serve.add_argument(
         "--max-sessions-per-client",

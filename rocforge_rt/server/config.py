@@ -42,6 +42,7 @@ class DaemonConfig:
     max_request_bytes: int = 1 << 20
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     batch_invariant: bool = False  # GPU: every prompt chunk on the int8 GEMM (slower, exact)
+    pipelined_decode: bool = True  # GPU: the next decode step issued before one is read back
     curve_keys: Path | None = None
     max_sessions_per_client: int | None = None  # None: --max-sessions (no extra limit)
     operator_key: str | None = None  # stats reset, trace, profile off loopback; None: refused
@@ -135,6 +136,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             n_ctx=n_ctx,
             prefill_chunk=config.prefill_chunk,
             batch_invariant=config.batch_invariant,
+            lookahead=config.pipelined_decode,
             slots=slots,
             should_stop=should_stop,
         )

@@ -115,9 +115,20 @@ class StepBatch:
             sampling=sampling or RowSampling.greedy(n_tail),
         )
 
+    def next_decode(self, tokens: np.ndarray) -> "StepBatch":
+        """The decode step after this one (a decode step): the same rows, each feeding the
+        token it sampled (`tokens`) one position on."""
+        return StepBatch(tokens, self.positions + 1, self.slots, self.logit_rows, self.sampling)
+
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def decode_shaped(self) -> bool:
+        """Whether every token is its own sequence's only row and asks for logits."""
+        rows = len(self.logit_rows)
+        return rows == self.n_tokens and len(set(self.slots.tolist())) == rows
 
     @property
     def draw_positions(self) -> np.ndarray:

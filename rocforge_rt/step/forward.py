@@ -55,19 +55,34 @@ class StepOutput:
     logprobs: np.ndarray  # float32 [B]: its log-softmax
     top: tuple[tuple[tuple[int, float], ...], ...]  # per row, the alternatives asked for
     logits: np.ndarray | None  # float32 [B, n_vocab], when asked for
+    ahead: bool = False  # whether the next decode step of these rows was issued ahead
 
     def sampled(self, row: int) -> SampledToken:
         return SampledToken(int(self.tokens[row]), float(self.logprobs[row]), self.top[row])
 
 
 class StepRunner(Protocol):
-    """How a backend runs one step: `run_forward` issues the forward's ops (eagerly, or
+    """How a backend runs one step: `forward(batch)` issues the forward's ops (eagerly, or
     under capture for a graph), then the backend picks each logits row's token under
-    `batch.sampling` (step/sampling.py's rules) and reads back."""
+    `batch.sampling` (step/sampling.py's rules) and reads back.
+
+    Pipelined decode: `run_step(..., ahead=True)` on a decode-shaped batch may also issue
+    the next decode step of the same rows (each feeding the token it just sampled, as the
+    device's step state already holds it; never one past a slot's end) before reading this
+    one back; the output says whether it did. `take_ahead` then reads that step back
+    (`again`: issuing the one after it first), and `discard_ahead` drops it unread; any
+    other step drops it too.
+    """
 
     def run_step(
-        self, batch: StepBatch, run_forward: Callable[[], Any], want_logits: bool
+        self,
+        batch: StepBatch,
+        forward: Callable[[StepBatch], Any],
+        want_logits: bool,
+        ahead: bool = False,
     ) -> StepOutput: ...
+    def take_ahead(self, again: bool) -> StepOutput: ...
+    def discard_ahead(self) -> None: ...
 
 
 class WeightUploader(Protocol):

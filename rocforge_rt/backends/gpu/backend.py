@@ -63,6 +63,7 @@ class GpuBackend:
         mode: str = "graph",
         overlap: bool = True,
         batch_invariant: bool = False,
+        lookahead: bool = True,
     ) -> None:
         check_mode(mode)
         check_attention_shapes(hparams)
@@ -113,12 +114,14 @@ class GpuBackend:
             self.sample,
             n_vocab=hparams.n_vocab,
             max_tokens=max_tokens,
+            n_ctx=n_ctx,
             mode=mode,
             # Programmatic dependent launch (where the driver supports it): each kernel may
             # start while the previous one finishes, waiting inside for its results. Decode
             # steps only: a prompt chunk's big grids, launched early into a busy device,
             # would crowd a few multiprocessors (measured: SmolLM2 prefill 30% slower).
             overlap=overlap and driver.supports_overlap,
+            lookahead=lookahead,
             launch_tracker=self.launch_tracker,
             kernel_timer=self.kernel_timer,
         )
@@ -247,10 +250,22 @@ class GpuBackend:
         self.executor.write_step_state(batch)
 
     def run_step(
-        self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
+        self,
+        batch: StepBatch,
+        forward: Callable[[StepBatch], Activation],
+        want_logits: bool,
+        ahead: bool = False,
     ) -> StepOutput:
-        """One step in this backend's mode; the only synchronization is the final readback."""
-        return self.executor.run_step(batch, run_forward, want_logits)
+        """One step in this backend's mode; the only synchronization is the wait for its
+        readback. `ahead`: pipelined decode (executor.py)."""
+        return self.executor.run_step(batch, forward, want_logits, ahead)
+
+    def take_ahead(self, again: bool) -> StepOutput:
+        """Read back the decode step issued ahead (`again`: issue the next one first)."""
+        return self.executor.take_ahead(again)
+
+    def discard_ahead(self) -> None:
+        self.executor.discard_ahead()
 
     def runtime_stats(self) -> dict[str, object]:
         """Launches, syncs and graph replays per step, and the argument cache's counters."""

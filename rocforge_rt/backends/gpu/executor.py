@@ -7,10 +7,20 @@ batch shape captured once into a graph and replayed as one launch). Per-step val
 buffers, which the kernels read through pointers, so a launch handle's arguments are
 the same bytes from one decode step to the next; the sampler advances that state on
 the device, so steady decode copies nothing to it.
+
+Pipelined decode (graph mode): because the device already holds the next decode step's
+state, a decode step may be followed, before it is read back, by the replay of the next
+step of the same rows (`run_step(..., ahead=True)`, `take_ahead`). The host then reads
+a step's tokens, checks stops and answers clients while the device runs the next one.
+The two steps read back into the two readback sets (workspace.py) and are waited for
+through those sets' events, never by synchronizing the stream. A step issued ahead that
+the engine does not take (a row finished, new work arrived) is waited for and dropped:
+its rows' KV entries lie past what their sessions hold, and are overwritten.
 """
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,7 +29,7 @@ from rocforge_rt.backends.gpu.graph import StepGraph
 from rocforge_rt.backends.gpu.kernel_constants import SAMPLE_MAX_TOP
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.workspace import Activation, Workspace
+from rocforge_rt.backends.gpu.workspace import Activation, Readback, Workspace
 from rocforge_rt.errors import BackendError
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
@@ -36,6 +46,16 @@ def check_mode(mode: str) -> None:
         raise BackendError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
 
 
+@dataclass(frozen=True)
+class IssuedStep:
+    """A step on the device, not yet read back."""
+
+    batch: StepBatch  # for a step issued ahead, its tokens are the device's (unknown here)
+    readback: Readback
+    top: int  # the most alternatives a row asked for
+    want_logits: bool
+
+
 class StepExecutor:
     """Runs steps in a mode: step state, issue or graph replay, the gate, readback, stats."""
 
@@ -49,8 +69,10 @@ class StepExecutor:
         *,
         n_vocab: int,
         max_tokens: int,
+        n_ctx: int,
         mode: str,
         overlap: bool,
+        lookahead: bool,
         launch_tracker: LaunchOverheadTracker,
         kernel_timer: KernelTimer,
     ) -> None:
@@ -61,15 +83,21 @@ class StepExecutor:
         self._sample = sample
         self.n_vocab = n_vocab
         self.max_tokens = max_tokens
+        self.n_ctx = n_ctx
         self.mode = mode
         self.overlap = overlap
+        self.lookahead = lookahead  # pipelined decode (the module docstring)
         self.launch_tracker = launch_tracker
         self.kernel_timer = kernel_timer
         # Decode graphs by (batch size, whether a row samples beyond the argmax).
         self._graphs: dict[tuple[int, bool], StepGraph] = {}
         self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
+        self._ahead: IssuedStep | None = None  # a decode step issued ahead, not yet read
+        self._readback = 0  # the readback set the next step issued uses
         self.steps = 0
         self.host_ns = 0  # host time issuing steps, up to the final synchronization
+        self.ahead_taken = 0  # steps issued ahead and read back
+        self.ahead_dropped = 0  # steps issued ahead and dropped unread
 
     @property
     def mode(self) -> str:
@@ -124,14 +152,21 @@ class StepExecutor:
 
     # --- steps ---------------------------------------------------------------------------
     def run_step(
-        self, batch: StepBatch, run_forward: Callable[[], Activation], want_logits: bool
+        self,
+        batch: StepBatch,
+        forward: Callable[[StepBatch], Activation],
+        want_logits: bool,
+        ahead: bool = False,
     ) -> StepOutput:
-        """One step in this mode; the only synchronization is the final readback.
+        """One step in this mode; the only synchronization is the wait for its readback.
 
         A step the kernel timer samples is issued eagerly behind a closed gate
         (kernels/gate.hip, except in per-kernel-sync mode) and the gate opened once all
         of it is queued, so its kernels run back to back and their events time them.
+        `ahead`: a decode step replayed from its graph is followed by the next one (the
+        module docstring); the output's `ahead` says whether it was.
         """
+        self.discard_ahead()
         issue_start = time.perf_counter_ns()
         tracker = self.launch_tracker if self.launch_tracker.enabled else None
         if tracker is not None:
@@ -139,9 +174,8 @@ class StepExecutor:
         syncs_before = self.driver.counters.syncs
         timed = self.kernel_timer.start_step(self.steps, issue_start)
         gated = timed and self._mode != "per-kernel-sync"
-        rows = len(batch.logit_rows)
-        decode_shape = rows == batch.n_tokens and len(set(batch.slots.tolist())) == rows
-        top = int(batch.sampling.params["logprobs"].max(initial=0))
+        decode_shape = batch.decode_shaped
+        replay = self._mode == "graph" and decode_shape and not timed
         replay_timed = False
         launcher = self.launcher
         launcher.overlap_step = self.overlap and decode_shape
@@ -149,50 +183,91 @@ class StepExecutor:
             self._close_gate()
         try:
             self.write_step_state(batch)
-            if self._mode == "graph" and decode_shape and not timed:
-                replay_timed = self._replay(batch, run_forward, tracker)
+            if replay:
+                replay_timed = self._replay(batch, forward, tracker)
             else:
                 launcher.timer = self.kernel_timer if timed else None
                 try:
-                    self._issue(batch, run_forward)
+                    self._issue(batch, forward)
                 finally:
                     launcher.timer = None
-            self._queue_readback(rows, top > 0, want_logits)
+            step = self._queue_readback(batch, want_logits)
         finally:
             launcher.overlap_step = False
             if gated:
                 self.ws.gate.view(np.uint32, 1)[0] = 1  # open: the queued step runs
                 self.kernel_timer.released(time.perf_counter_ns())
+        if ahead and self.lookahead and replay and not want_logits and tracker is None:
+            self._issue_ahead(step)  # when its positions fit the slots
         self.host_ns += time.perf_counter_ns() - issue_start
-        self.stream.synchronize()
+        step.readback.done.synchronize()
         if timed:
             self.kernel_timer.finish_step()
         if replay_timed:
             self.kernel_timer.finish_replay()
         if tracker is not None:
             tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
+        return self._read_back(step, decode_shape)
+
+    def take_ahead(self, again: bool) -> StepOutput:
+        """Read back the decode step issued ahead; `again`: first issue the one after it."""
+        step, self._ahead = self._ahead, None
+        if step is None:
+            raise BackendError("no step was issued ahead")
+        if again:  # when its positions fit the slots
+            issue_start = time.perf_counter_ns()
+            self._issue_ahead(step)
+            self.host_ns += time.perf_counter_ns() - issue_start
+        step.readback.done.synchronize()
+        self.ahead_taken += 1
+        return self._read_back(step, True)
+
+    def discard_ahead(self) -> None:
+        """Drop the step issued ahead, if any, once it has run: the step state it leaves
+        is not one the host knows, so the next step writes its own."""
+        step, self._ahead = self._ahead, None
+        if step is not None:
+            step.readback.done.synchronize()
+            self._device_state = None
+            self.ahead_dropped += 1
+
+    def _issue_ahead(self, step: IssuedStep) -> None:
+        """Replay `step`'s graph again: the next decode step of its rows, which the device's
+        step state already describes; nothing when a row's next position is past its slot."""
+        batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
+        if int(batch.positions.max()) >= self.n_ctx:
+            return
+        self._graphs[(batch.n_tokens, batch.sampling.needs_sampler)].replay()
+        self._ahead = self._queue_readback(batch, False)
+
+    def _read_back(self, step: IssuedStep, decode_shape: bool) -> StepOutput:
+        """A step's output from its readback set (the step has run)."""
         self.steps += 1
-        ws = self.ws
-        tokens = ws.sampled_host.view(np.int32, (ws.max_logit_rows,))[:rows].copy()
-        logprobs = ws.logprob_host.view(np.float32, (ws.max_logit_rows,))[:rows].copy()
+        batch, readback, rows = step.batch, step.readback, len(step.batch.logit_rows)
+        n = self.ws.max_logit_rows
+        tokens = readback.tokens.view(np.int32, (n,))[:rows].copy()
+        logprobs = readback.logprobs.view(np.float32, (n,))[:rows].copy()
         host_logits = None
-        if want_logits:
-            shape = (ws.max_logit_rows, self.n_vocab)
-            host_logits = ws.logits_host.view(np.float32, shape)[:rows].copy()
-        # The sampler advanced the step state to the next decode step of these rows.
-        self._device_state = self._state_bytes(batch, tokens, 1) if decode_shape else None
-        return StepOutput(tokens, logprobs, self._top_alternatives(batch, top), host_logits)
+        if step.want_logits:
+            shape = (n, self.n_vocab)
+            host_logits = self.ws.logits_host.view(np.float32, shape)[:rows].copy()
+        # The sampler advanced the step state to the next decode step of these rows (or of
+        # the step issued ahead: unknown until it is read back).
+        follows = decode_shape and self._ahead is None
+        self._device_state = self._state_bytes(batch, tokens, 1) if follows else None
+        top = self._top_alternatives(batch, readback, step.top)
+        return StepOutput(tokens, logprobs, top, host_logits, ahead=self._ahead is not None)
 
     def _top_alternatives(
-        self, batch: StepBatch, top: int
+        self, batch: StepBatch, readback: Readback, top: int
     ) -> tuple[tuple[tuple[int, float], ...], ...]:
         """Each row's best alternatives, as many as it asked for (read back after the sync)."""
         counts = batch.sampling.params["logprobs"]
         if not top:
             return ((),) * len(counts)
         shape = (self.ws.max_logit_rows, SAMPLE_MAX_TOP)
-        ids = self.ws.top_tokens_host.view(np.int32, shape)
-        values = self.ws.top_logprobs_host.view(np.float32, shape)
+        ids = readback.top_tokens.view(np.int32, shape)
+        values = readback.top_logprobs.view(np.float32, shape)
         return tuple(
             tuple(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True))
             for r, n in enumerate(counts.tolist())
@@ -201,7 +276,7 @@ class StepExecutor:
     def _replay(
         self,
         batch: StepBatch,
-        run_forward: Callable[[], Activation],
+        forward: Callable[[StepBatch], Activation],
         tracker: LaunchOverheadTracker | None,
     ) -> bool:
         """Replay the decode graph of this batch size and sampler, capturing it on first use.
@@ -212,7 +287,7 @@ class StepExecutor:
         graph = self._graphs.get(key)
         if graph is None:
             graph = StepGraph(self.driver, self.stream)
-            graph.capture(lambda: self._record(batch, run_forward))
+            graph.capture(lambda: self._record(batch, forward))
             self._graphs[key] = graph
         timed = self.kernel_timer.begin_replay(self.steps)
         replay_start = time.perf_counter_ns()
@@ -223,20 +298,26 @@ class StepExecutor:
             self.kernel_timer.end_replay()
         return timed
 
-    def _queue_readback(self, rows: int, top: bool, want_logits: bool) -> None:
-        """Queue the copies of the sampled tokens (alternatives, logits) into pinned memory."""
-        if not rows:
-            return
+    def _queue_readback(self, batch: StepBatch, want_logits: bool) -> IssuedStep:
+        """Queue the copies of the sampled tokens (alternatives, logits) into the next
+        readback set's pinned memory, and its event after them."""
+        readback = self.ws.readbacks[self._readback]
+        self._readback ^= 1
+        rows = len(batch.logit_rows)
+        top = int(batch.sampling.params["logprobs"].max(initial=0))
         copy, stream, ws = self.driver.copy_dtoh, self.stream, self.ws
-        copy(ws.sampled_host, ws.sampled, stream, nbytes=rows * 4)
-        copy(ws.logprob_host, ws.sampled_logprob, stream, nbytes=rows * 4)
-        if top:
+        if rows:
+            copy(readback.tokens, ws.sampled, stream, nbytes=rows * 4)
+            copy(readback.logprobs, ws.sampled_logprob, stream, nbytes=rows * 4)
+        if rows and top:
             nbytes = rows * SAMPLE_MAX_TOP * 4
-            copy(ws.top_tokens_host, ws.top_tokens, stream, nbytes=nbytes)
-            copy(ws.top_logprobs_host, ws.top_logprobs, stream, nbytes=nbytes)
-        if want_logits:
+            copy(readback.top_tokens, ws.top_tokens, stream, nbytes=nbytes)
+            copy(readback.top_logprobs, ws.top_logprobs, stream, nbytes=nbytes)
+        if rows and want_logits:
             nbytes = rows * self.n_vocab * 4
             copy(ws.logits_host, ws.logits, stream, nbytes=nbytes)
+        readback.done.record(stream)
+        return IssuedStep(batch, readback, top, want_logits)
 
     def _close_gate(self) -> None:
         """Queue a kernel that holds the stream until the gate flag is set (kernels/gate.hip)."""
@@ -246,20 +327,20 @@ class StepExecutor:
             ("gate",), "rf_hold", (1, 1, 1), (1, 1, 1), (gate.ptr, 1, GATE_MAX_NAPS)
         )
 
-    def _issue(self, batch: StepBatch, run_forward: Callable[[], Activation]) -> None:
+    def _issue(self, batch: StepBatch, forward: Callable[[StepBatch], Activation]) -> None:
         """Issue the forward and the sampler."""
         self._sample(
-            run_forward(), batch.sampling, int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
+            forward(batch), batch.sampling, int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
         )
 
     def _record(
-        self, batch: StepBatch, run_forward: Callable[[], Activation]
+        self, batch: StepBatch, forward: Callable[[StepBatch], Activation]
     ) -> list[LaunchHandle]:
         """Issue the step, returning every handle launched (for capture)."""
         launcher = self.launcher
         launcher.recording = []
         try:
-            self._issue(batch, run_forward)
+            self._issue(batch, forward)
             return launcher.recording
         finally:
             launcher.recording = None
@@ -273,6 +354,7 @@ class StepExecutor:
         return {
             "mode": self._mode,
             "overlap": self.overlap,
+            "lookahead": self.lookahead,
             "steps": self.steps,
             "launches_per_step": counters["launches"] / steps,
             "host_us_per_step": self.host_ns / steps / 1000,
@@ -280,6 +362,8 @@ class StepExecutor:
             "graph_replay": self._mode == "graph",
             "graph_replays": counters["graph_replays"],
             "graph_captures": counters["captures"],
+            "ahead_taken": self.ahead_taken,
+            "ahead_dropped": self.ahead_dropped,
             "launch_handles": len(self.launcher.handles),
             "arg_cache_hits": cache["hits"],
             "arg_cache_misses": cache["misses"],
@@ -318,3 +402,5 @@ class StepExecutor:
             stats.reset()
         self.steps = 0
         self.host_ns = 0
+        self.ahead_taken = 0
+        self.ahead_dropped = 0

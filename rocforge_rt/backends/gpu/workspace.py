@@ -48,6 +48,18 @@ class Activation:
         return self.buf.ptr + self.offset
 
 
+class Readback:
+    """Pinned host memory one step's sampling results are copied into, and the event
+    recorded after the copies."""
+
+    def __init__(self, driver: Any, rows: int) -> None:
+        self.tokens = driver.alloc_pinned(rows * 4)
+        self.logprobs = driver.alloc_pinned(rows * 4)
+        self.top_tokens = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
+        self.top_logprobs = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
+        self.done = driver.create_event(timing=False)
+
+
 class Workspace:
     """The KV pool, RoPE tables, step state, activations and scratch of one backend.
 
@@ -101,10 +113,9 @@ class Workspace:
         self.sample_slice_sums = self.zeros(rows * slices * 8)
         self.top_tokens = self.zeros(rows * SAMPLE_MAX_TOP * 4)
         self.top_logprobs = self.zeros(rows * SAMPLE_MAX_TOP * 4)
-        self.sampled_host = driver.alloc_pinned(rows * 4)
-        self.logprob_host = driver.alloc_pinned(rows * 4)
-        self.top_tokens_host = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
-        self.top_logprobs_host = driver.alloc_pinned(rows * SAMPLE_MAX_TOP * 4)
+        # Two sets of their host side: a decode step issued ahead reads back into the set
+        # the step before it does not use (executor.py, pipelined decode).
+        self.readbacks = (Readback(driver, rows), Readback(driver, rows))
         self.logits_host = driver.alloc_pinned(rows * hp.n_vocab * 4)
         # Activations.
         self.x = self.zeros(max_tokens * hp.n_embd * f32)
