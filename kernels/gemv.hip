@@ -11,19 +11,25 @@
 //   Q8_0: w_qs int8 [n, k]: value = d * q
 //   w_d   f16 [n, k/32]: the block scales
 //
-// Prologue (every block): optionally RMS-normalize each activation row with
-// gain g, then quantize it into shared memory (rf_q8.h). Eight lanes quantize one
-// 32-block (four elements each, 16-byte loads), so a warp covers four blocks per
-// step and the reductions are three shuffles. The weight loads of each warp's
-// first rows are issued before the prologue, so their latency overlaps it.
+// Prologue (every block), one of two:
+//   - xq given (one activation row): copy the row rf_quantize_q8_gemv quantized once,
+//     in this file's layout (rf_q8_rows), into shared memory;
+//   - else: optionally RMS-normalize each activation row with gain g, then quantize it
+//     into shared memory (rf_q8.h). Eight lanes quantize one 32-block (four elements
+//     each, 16-byte loads), so a warp covers four blocks per step and the reductions
+//     are three shuffles.
+// The weight loads of each warp's first chunk are issued before the prologue, so their
+// latency overlaps it. Measured on an H100, quantizing in every block cost the 8B
+// shape's GEMVs 2.4-9.7 us each (the most for the down projection's 14336 columns).
 //
 // Main loop: one warp per group of NO output rows (2 * NO weight rows with the
 // SwiGLU epilogue: gate row r and up row r + n, loaded together). Lane l takes the
 // canonical sum's stages l, l + 32, ... (RF_Q8_STAGE consecutive blocks each),
-// RF_GEMV_STAGES_PER_LANE of them per chunk, all their weights loaded before use;
-// after each chunk the warp folds the chunk's stage sums in stage order with
-// shuffles (every lane ends with the total). Warps walk the row groups with a grid
-// stride, so the host may launch fewer blocks than groups.
+// RF_GEMV_STAGES_PER_LANE of them per chunk; a chunk's weights load while the one
+// before is multiplied (two register sets). Each chunk's stage sums go through a
+// per-warp fold buffer in shared memory, from which lane v folds sum v (one per
+// weight row and activation row) in stage order. Warps walk the row groups with a
+// grid stride, so the host may launch fewer blocks than groups.
 // Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);
 //            RF_EPILOGUE_SWIGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
 //
@@ -34,8 +40,10 @@
 //
 // Launch: block RF_GEMV_THREADS, any grid >= 1 (grid-stride over
 // ceil(n / NO) row groups of one warp each), dynamic shared bytes
-//   n_rows * padded_blocks * 40 + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS * 4,
-// padded_blocks = k / 32 rounded up to a multiple of RF_Q8_STAGE.
+//   n_rows * padded_blocks * 40 + (RF_GEMV_MAX_ROWS * RF_GEMV_WARPS
+//   + RF_GEMV_WARPS * NV * RF_GEMV_FOLD_STRIDE) * 4,
+// padded_blocks = k / 32 rounded up to a multiple of RF_Q8_STAGE, NV = the sums a warp
+// folds (weight rows of a group x activation rows of the kernel).
 #include "rf_portability.h"
 #include "rf_q8.h"
 #include "rf_rope.h"
@@ -43,8 +51,10 @@
 // RF_GEMV_MAX_ROWS and the RF_EPILOGUE_* codes come from rf_constants.h.
 #define RF_GEMV_THREADS RF_Q8_NORM_THREADS
 #define RF_GEMV_WARPS (RF_GEMV_THREADS / RF_WARP_SIZE)
-#define RF_GEMV_STAGES_PER_LANE 2  // canonical-sum stages a lane takes per chunk
-#define RF_GEMV_UNROLL (RF_GEMV_STAGES_PER_LANE * RF_Q8_STAGE)  // blocks per lane per row in flight
+// RF_GEMV_STAGES_PER_LANE (canonical-sum stages a lane takes per chunk) comes from
+// rf_constants.h: the host sizes the fold buffer by it.
+#define RF_GEMV_UNROLL (RF_GEMV_STAGES_PER_LANE * RF_Q8_STAGE)  // blocks per lane per row and chunk
+#define RF_GEMV_FOLD_STRIDE (RF_GEMV_STAGES_PER_LANE * RF_WARP_SIZE + 1)  // odd: no bank conflicts
 #define RF_GEMV_X_REGS 4  // 16-byte activation pieces per thread kept in registers
 #define RF_GEMV_MEMBER __device__ __forceinline__  // member functions (no `static`)
 
@@ -72,6 +82,21 @@ struct rf_q8_rows {
     rf_q8_meta* meta;  // [n_rows][padded]
     int padded;        // block slots per row: n_blocks rounded up to RF_Q8_STAGE
 };
+
+// The layout over `n_rows` rows at `base`: all lo halves, all hi halves, then the metas.
+RF_DEVICE_INLINE rf_q8_rows rf_q8_rows_at(uint8_t* base, int n_rows, int n_blocks) {
+    rf_q8_rows rows;
+    rows.padded = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE * RF_Q8_STAGE;
+    rows.lo = (int8_t*)base;
+    rows.hi = rows.lo + n_rows * rows.padded * 16;
+    rows.meta = (rf_q8_meta*)(base + n_rows * rows.padded * RF_QK);
+    return rows;
+}
+
+// Bytes of that layout: a multiple of 16.
+RF_DEVICE_INLINE int rf_q8_rows_bytes(const rf_q8_rows& rows, int n_rows) {
+    return n_rows * rows.padded * (RF_QK + (int)sizeof(rf_q8_meta));
+}
 
 RF_DEVICE_INLINE int rf_gemv_slot(const rf_q8_rows& rows, int t, int b) {
     return t * rows.padded + (b % RF_Q8_STAGE) * (rows.padded / RF_Q8_STAGE) + b / RF_Q8_STAGE;
@@ -190,11 +215,25 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
         __syncthreads();
         return;
     }
+    // Several rows, or one too wide for registers: rounds of RF_GEMV_X_REGS pieces a
+    // thread, each round's loads issued before any is used.
+    const int total = n_rows * k4;
     if (gain != nullptr) {
         for (int t = 0; t < n_rows; ++t) {
             float ss = 0.0f;
-            for (int i = threadIdx.x; i < k4; i += RF_GEMV_THREADS) {
-                ss += rf_sum_squares(x4[t * k4 + i]);
+            for (int base = threadIdx.x; base < k4; base += RF_GEMV_X_REGS * RF_GEMV_THREADS) {
+                rf_f32x4 v[RF_GEMV_X_REGS];
+#pragma unroll
+                for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+                    const int i = base + p * RF_GEMV_THREADS;
+                    v[p] = i < k4 ? x4[t * k4 + i] : rf_f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+                }
+#pragma unroll
+                for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+                    if (base + p * RF_GEMV_THREADS < k4) {
+                        ss += rf_sum_squares(v[p]);  // pieces in the canonical order
+                    }
+                }
             }
             ss = rf_warp_sum(ss);
             if (lane == 0) {
@@ -203,24 +242,31 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
         }
         __syncthreads();
     }
-    const int total = n_rows * k4;
     int cached_t = -1;
     float inv_rms = 1.0f;
-    for (int base = warp * RF_WARP_SIZE; base < total; base += RF_GEMV_THREADS) {
-        const int i = base + lane;
-        const bool active = i < total;
-        rf_f32x4 v = {{0.0f, 0.0f, 0.0f, 0.0f}};
-        int t = 0, col = 0;
-        if (active) {
-            t = i / k4;
-            col = (i - t * k4) * 4;
-            v = x4[i];
-            if (gain != nullptr && t != cached_t) {
-                inv_rms = rf_gemv_inv_rms(scratch, t, k, eps);
-                cached_t = t;
+    for (int base = warp * RF_WARP_SIZE; base < total;
+         base += RF_GEMV_X_REGS * RF_GEMV_THREADS) {
+        rf_f32x4 v[RF_GEMV_X_REGS];
+#pragma unroll
+        for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+            const int i = base + p * RF_GEMV_THREADS + lane;
+            v[p] = i < total ? x4[i] : rf_f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+        }
+#pragma unroll
+        for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
+            const int first = base + p * RF_GEMV_THREADS;
+            if (first < total) {  // warp-uniform
+                const int i = first + lane;
+                const bool active = i < total;
+                const int t = active ? i / k4 : 0;
+                const int col = active ? (i - t * k4) * 4 : 0;
+                if (active && gain != nullptr && t != cached_t) {
+                    inv_rms = rf_gemv_inv_rms(scratch, t, k, eps);
+                    cached_t = t;
+                }
+                rf_quantize4(v[p], active, t, col, gain, inv_rms, rows);
             }
         }
-        rf_quantize4(v, active, t, col, gain, inv_rms, rows);
     }
     __syncthreads();
 }
@@ -320,164 +366,203 @@ struct rf_weight_chunk {
     }
 };
 
+// A warp's place in its work: chunk c of row group g.
+struct rf_gemv_item {
+    int g, c;
+
+    // The next chunk of this group, else the first of the warp's next group.
+    RF_GEMV_MEMBER rf_gemv_item next(int n_chunks, int stride) const {
+        return c + 1 < n_chunks ? rf_gemv_item{g, c + 1} : rf_gemv_item{g + stride, 0};
+    }
+};
+
 template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
-                              const float* RF_RESTRICT gain, float eps, int epilogue,
-                              const float* residual, float* out, const rf_rope_out& rope) {
+                              const uint8_t* RF_RESTRICT xq, const float* RF_RESTRICT gain,
+                              float eps, int epilogue, const float* residual, float* out,
+                              const rf_rope_out& rope) {
     static_assert(!ROPE || (NO % 2 == 0 && !SWIGLU), "RoPE takes (even, odd) row pairs");
     constexpr int NW = SWIGLU ? 2 * NO : NO;
+    constexpr int NV = NW * RCAP;  // sums of a row group: lane v folds (row v / RCAP, x row v % RCAP)
+    static_assert(NV <= RF_WARP_SIZE, "one folding lane per sum");
     constexpr int SPL = RF_GEMV_STAGES_PER_LANE;
+    using Chunk = rf_weight_chunk<Format, NO, SWIGLU>;
     extern __shared__ __align__(16) uint8_t rf_shared[];
     const int n_blocks = k / RF_QK;
     const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
-    rf_q8_rows rows;
-    rows.padded = n_stages * RF_Q8_STAGE;
-    rows.lo = (int8_t*)rf_shared;
-    rows.hi = rows.lo + n_rows * rows.padded * 16;
-    rows.meta = (rf_q8_meta*)(rf_shared + n_rows * rows.padded * RF_QK);
+    const rf_q8_rows rows = rf_q8_rows_at(rf_shared, n_rows, n_blocks);
     float* scratch = (float*)(rows.meta + n_rows * rows.padded);
 
     const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
+    // This warp's stage sums of a chunk, one row of RF_GEMV_FOLD_STRIDE per sum.
+    float* fold = scratch + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS + warp * NV * RF_GEMV_FOLD_STRIDE;
     const int n_groups = (n + NO - 1) / NO;
-    const int n_chunks = (n_blocks + RF_WARP_SIZE * RF_GEMV_UNROLL - 1) /
-                         (RF_WARP_SIZE * RF_GEMV_UNROLL);
+    const int n_chunks = (n_stages + RF_WARP_SIZE * SPL - 1) / (RF_WARP_SIZE * SPL);
     const int stride = gridDim.x * RF_GEMV_WARPS;
-    int g = blockIdx.x * RF_GEMV_WARPS + warp;
+    const int mine_j = lane / RCAP, mine_t = lane % RCAP;  // the sum this lane folds (lane < NV)
+    rf_gemv_item item{(int)blockIdx.x * RF_GEMV_WARPS + warp, 0};
 
-    rf_weight_chunk<Format, NO, SWIGLU> w;
-    if (g < n_groups) {
-        w.load(w_qs, w_d, n, n_blocks, g, 0, lane);  // in flight during the wait and prologue
+    Chunk w_a, w_b;
+    if (item.g < n_groups) {
+        w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);  // in flight during the wait and prologue
     }
     rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
-    rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
-
-    for (;; g += stride) {
-        if (g >= n_groups) {
-            // Let the next kernel launch only now: launched while this grid still fills
-            // the device, its blocks would crowd onto the first multiprocessors to free up.
-            rf_pdl_launch_dependents();
-            break;
+    if (xq != nullptr) {  // quantized once by rf_quantize_q8_gemv, in this layout
+        const int pieces = rf_q8_rows_bytes(rows, n_rows) / 16;
+        for (int i = threadIdx.x; i < pieces; i += RF_GEMV_THREADS) {
+            rf_cp_async16(rf_shared + 16 * i, xq + 16 * i, true);
         }
-        float total[NW][RCAP];
+        rf_cp_async_commit();
+        rf_cp_async_wait<0>();
+        __syncthreads();
+    } else {
+        rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
+    }
+
+    float total = 0.0f;  // lane v < NV: sum v of the current row group, folded so far
+    // Chunk `item` from `use` while the next one loads into `fill`; false when done.
+    auto step = [&](const Chunk& use, Chunk& fill) -> bool {
+        const rf_gemv_item next = item.next(n_chunks, stride);
+        if (next.g < n_groups) {
+            fill.load(w_qs, w_d, n, n_blocks, next.g, next.c, lane);
+        }
+        // This lane's stage sums of the chunk (zero for stages past the row).
+        float part[NW][RCAP][SPL];
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
 #pragma unroll
             for (int t = 0; t < RCAP; ++t) {
-                total[j][t] = 0.0f;
-            }
-        }
-        for (int c = 0; c < n_chunks; ++c) {
-            if (c > 0) {
-                w.load(w_qs, w_d, n, n_blocks, g, c, lane);
-            }
-            // This lane's stage sums of the chunk (zero for stages past the row).
-            float part[NW][RCAP][SPL];
 #pragma unroll
-            for (int j = 0; j < NW; ++j) {
-#pragma unroll
-                for (int t = 0; t < RCAP; ++t) {
-#pragma unroll
-                    for (int st = 0; st < SPL; ++st) {
-                        part[j][t][st] = 0.0f;
-                    }
+                for (int st = 0; st < SPL; ++st) {
+                    part[j][t][st] = 0.0f;
                 }
             }
+        }
 #pragma unroll
-            for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
-                const int b = rf_gemv_block(c, u, lane);
-                if (b < n_blocks) {
+        for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
+            const int b = rf_gemv_block(item.c, u, lane);
+            if (b < n_blocks) {
 #pragma unroll
-                    for (int t = 0; t < RCAP; ++t) {
-                        if (t < n_rows) {
-                            const int slot = rf_gemv_slot(rows, t, b);
-                            const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + slot * 16);
-                            const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + slot * 16);
-                            const rf_q8_meta m = rows.meta[slot];
+                for (int t = 0; t < RCAP; ++t) {
+                    if (t < n_rows) {
+                        const int slot = rf_gemv_slot(rows, t, b);
+                        const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + slot * 16);
+                        const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + slot * 16);
+                        const rf_q8_meta m = rows.meta[slot];
 #pragma unroll
-                            for (int j = 0; j < NW; ++j) {
-                                float& p = part[j][t][u / RF_Q8_STAGE];
-                                const int dot = Format::dot(w.q[j][u], xl, xh, m.sum);
-                                p = rf_q8_stage_add(p, w.d[j][u], m.d, (float)dot);
-                            }
+                        for (int j = 0; j < NW; ++j) {
+                            float& p = part[j][t][u / RF_Q8_STAGE];
+                            const int dot = Format::dot(use.q[j][u], xl, xh, m.sum);
+                            p = rf_q8_stage_add(p, use.d[j][u], m.d, (float)dot);
                         }
                     }
                 }
             }
-            // Fold the chunk's stages into the totals, in stage order: stage
-            // (c * SPL + st) * WARP + l sits in lane l.
+        }
+        // Fold the chunk's stages in stage order: stage (c * SPL + st) * WARP + l sits in
+        // lane l, so each sum's lane reads them back through shared memory in that order.
+        rf_syncwarp();  // the folding lanes have read the previous chunk's stage sums
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+#pragma unroll
+            for (int t = 0; t < RCAP; ++t) {
+#pragma unroll
+                for (int st = 0; st < SPL; ++st) {
+                    fold[(j * RCAP + t) * RF_GEMV_FOLD_STRIDE + st * RF_WARP_SIZE + lane] =
+                        part[j][t][st];
+                }
+            }
+        }
+        rf_syncwarp();
+        if (lane < NV) {
+            const float* sums = fold + lane * RF_GEMV_FOLD_STRIDE;
 #pragma unroll
             for (int st = 0; st < SPL; ++st) {
-                const int count = min(RF_WARP_SIZE, n_stages - (c * SPL + st) * RF_WARP_SIZE);
-#pragma unroll 8
+                const int count =
+                    min(RF_WARP_SIZE, n_stages - (item.c * SPL + st) * RF_WARP_SIZE);
                 for (int l = 0; l < count; ++l) {
-#pragma unroll
-                    for (int j = 0; j < NW; ++j) {
-#pragma unroll
-                        for (int t = 0; t < RCAP; ++t) {
-                            total[j][t] += rf_shfl(part[j][t][st], l, RF_WARP_SIZE);
-                        }
-                    }
+                    total += sums[st * RF_WARP_SIZE + l];
                 }
             }
         }
-        const int first_row = g * NO;
-        if (g + stride < n_groups) {
-            w.load(w_qs, w_d, n, n_blocks, g + stride, 0, lane);  // next group's first chunk
+        if (item.c == n_chunks - 1) {  // the group's sums are complete: its epilogue
+            const int row = item.g * NO + mine_j;
+            const bool mine = lane < NV && mine_t < n_rows && row < n;
+            if (SWIGLU) {  // gate j and up j + NO of the same x row
+                const float up = rf_shfl(total, (lane + NO * RCAP) % RF_WARP_SIZE, RF_WARP_SIZE);
+                if (mine && mine_j < NO) {
+                    out[(int64_t)mine_t * n + row] = rf_swiglu(total, up);
+                }
+            } else if (ROPE) {  // q, k, v of each (even, odd) pair of rows
+                const float odd = rf_shfl(total, (lane + RCAP) % RF_WARP_SIZE, RF_WARP_SIZE);
+                if (mine && mine_j % 2 == 0) {
+                    rf_rope_store(rope, mine_t, row, total, odd);
+                }
+            } else if (mine) {
+                const int64_t o = (int64_t)mine_t * n + row;
+                out[o] = epilogue == RF_EPILOGUE_RESIDUAL ? total + residual[o] : total;
+            }
+            total = 0.0f;
         }
-        if (ROPE && lane == 0) {  // q, k, v of each (even, odd) pair of rows
-#pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-#pragma unroll
-                for (int t = 0; t < RCAP; ++t) {
-                    if (t < n_rows && first_row + j < n) {
-                        rf_rope_store(rope, t, first_row + j, total[j][t], total[j + 1][t]);
-                    }
-                }
-            }
-        } else if (lane == 0) {
-#pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                const int row = first_row + j;
-#pragma unroll
-                for (int t = 0; t < RCAP; ++t) {
-                    if (t < n_rows && row < n) {
-                        const int64_t o = (int64_t)t * n + row;
-                        float y = total[j][t];
-                        if (SWIGLU) {
-                            y = rf_swiglu(y, total[NW - NO + j][t]);
-                        } else if (epilogue == RF_EPILOGUE_RESIDUAL) {
-                            y += residual[o];
-                        }
-                        out[o] = y;
-                    }
-                }
-            }
+        item = next;
+        return item.g < n_groups;
+    };
+    if (item.g < n_groups) {
+        while (step(w_a, w_b) && step(w_b, w_a)) {
         }
     }
+    // Let the next kernel launch only now: launched while this grid still fills the
+    // device, its blocks would crowd onto the first multiprocessors to free up.
+    rf_pdl_launch_dependents();
 }
 
 #define RF_GEMV_PARAMS                                                                   \
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
-        const float *RF_RESTRICT x, int n_rows, const float *RF_RESTRICT gain, float eps, \
-        int epilogue, const float *residual, float *out
+        const float *RF_RESTRICT x, int n_rows, const uint8_t *RF_RESTRICT xq,           \
+        const float *RF_RESTRICT gain, float eps, int epilogue, const float *residual,  \
+        float *out
 #define RF_GEMV_CALL(format, no, swiglu, rcap)                                                \
-    rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, gain, eps, epilogue, residual, \
-                                      out, rf_rope_out{})
+    rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, epilogue,      \
+                                      residual, out, rf_rope_out{})
 
 // The QKV GEMV with RoPE + KV-append in its epilogue (rf_rope.h): q to q_out, k and v
 // into the KV pool at each token's slot and position (step state).
 #define RF_GEMV_ROPE_PARAMS                                                              \
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
-        const float *RF_RESTRICT x, int n_rows, const float *RF_RESTRICT gain, float eps, \
-        const int32_t *positions, const int32_t *slots, const float *cos_table,          \
-        const float *sin_table, float *q_out, uint16_t *k_cache, uint16_t *v_cache,      \
-        int q_dim, int kv_dim, int head_dim, int rope_dims, int n_ctx
+        const float *RF_RESTRICT x, int n_rows, const uint8_t *RF_RESTRICT xq,           \
+        const float *RF_RESTRICT gain, float eps, const int32_t *positions,              \
+        const int32_t *slots, const float *cos_table, const float *sin_table, float *q_out, \
+        uint16_t *k_cache, uint16_t *v_cache, int q_dim, int kv_dim, int head_dim,       \
+        int rope_dims, int n_ctx
 #define RF_GEMV_ROPE_CALL(format, no, rcap)                                                      \
     rf_gemv<format, no, false, rcap, true>(                                                      \
-        w_qs, w_d, n, k, x, n_rows, gain, eps, RF_EPILOGUE_STORE, nullptr, nullptr,              \
+        w_qs, w_d, n, k, x, n_rows, xq, gain, eps, RF_EPILOGUE_STORE, nullptr, nullptr,          \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
                     head_dim, rope_dims, n_ctx})
+
+// One activation row x[k] normalized (with a gain g) and quantized once, into the GEMV
+// layout at xq (rf_q8_rows_at(xq, 1, k / 32)), for a GEMV launched with xq to copy.
+// Block b quantizes pieces [b * RF_GEMV_THREADS, (b + 1) * RF_GEMV_THREADS) of four
+// elements; with a gain, every block first takes the whole row's sum of squares in the
+// canonical order (rf_row_inv_rms), so the bits are those of the GEMV's own prologue.
+// Launch: block RF_GEMV_THREADS, grid ceil(k / (4 * RF_GEMV_THREADS)).
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_quantize_q8_gemv(const float* RF_RESTRICT x, int k,
+                                                           const float* RF_RESTRICT gain,
+                                                           float eps, uint8_t* xq) {
+    __shared__ float partial[RF_GEMV_WARPS];
+    rf_pdl_begin();  // the GEMV may launch and load its first weights meanwhile
+    const rf_q8_rows rows = rf_q8_rows_at(xq, 1, k / RF_QK);
+    const float inv_rms = gain != nullptr ? rf_row_inv_rms(x, k, eps, partial) : 1.0f;
+    const int k4 = k / 4;
+    const int first = blockIdx.x * RF_GEMV_THREADS + threadIdx.x / RF_WARP_SIZE * RF_WARP_SIZE;
+    if (first < k4) {  // warp-uniform; lanes past k4 sit in whole 8-lane groups (k % 32 == 0)
+        const int i = blockIdx.x * RF_GEMV_THREADS + threadIdx.x;
+        const bool active = i < k4;
+        const rf_f32x4 v = active ? ((const rf_f32x4*)x)[i] : rf_f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+        rf_quantize4(v, active, 0, i * 4, gain, inv_rms, rows);
+    }
+}
 
 // Q4_0, one activation row (decode).
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1(RF_GEMV_PARAMS) {

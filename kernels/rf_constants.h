@@ -12,6 +12,7 @@
 //   RF_Q8_NORM_THREADS     threads that share a row's sum of squares (rf_q8.h)
 //   RF_EPILOGUE_*          matmul epilogues: STORE, RESIDUAL, SWIGLU (gemv.hip, gemm.hip)
 //   RF_GEMV_MAX_ROWS       activation rows one GEMV launch takes
+//   RF_GEMV_STAGES_PER_LANE  canonical-sum stages a GEMV lane takes per chunk (gemv.hip)
 //   RF_Q8_ROWS_BLOCKS      quant blocks of a row one rf_quantize_q8_rows block takes
 //   RF_GEMM_THREADS, RF_GEMM_TILE_N, RF_GEMM_TILE_M   the prefill GEMM's block and tile
 //   RF_EMBED_THREADS, RF_ROPE_THREADS                 block sizes
@@ -29,7 +30,8 @@
 #if !defined(RF_QK) || !defined(RF_Q4_0_BLOCK_BYTES) || !defined(RF_Q8_0_BLOCK_BYTES) ||   \
     !defined(RF_Q8_STAGE) || !defined(RF_Q8_NORM_THREADS) || !defined(RF_EPILOGUE_STORE) || \
     !defined(RF_EPILOGUE_RESIDUAL) || !defined(RF_EPILOGUE_SWIGLU) ||                       \
-    !defined(RF_GEMV_MAX_ROWS) || !defined(RF_Q8_ROWS_BLOCKS) || !defined(RF_GEMM_THREADS) ||    \
+    !defined(RF_GEMV_MAX_ROWS) || !defined(RF_GEMV_STAGES_PER_LANE) ||                       \
+    !defined(RF_Q8_ROWS_BLOCKS) || !defined(RF_GEMM_THREADS) ||    \
     !defined(RF_GEMM_TILE_N) || !defined(RF_GEMM_TILE_M) || !defined(RF_EMBED_THREADS) ||  \
     !defined(RF_ROPE_THREADS) ||                                                            \
     !defined(RF_F16_THREADS) || !defined(RF_DEQUANT_PART) ||                                \

@@ -4,10 +4,12 @@
 Decode tokens/s: greedy batch-1 generation of --n-decode tokens after a 1-token
 prompt (llama-bench's tg128); the same sampled at temperature 0.8, top-k 40, top-p
 0.95 (the device sampler's cost). Prompt tokens/s: prefill of --n-prompt tokens
-(llama-bench's pp512). Each figure is the median of --repeats runs after a
-warm-up. With --llamacpp PATH-TO-llama-bench, llama-bench runs on the same
-file in the same run (all layers on the GPU, or none with --backend cpu) and the
-ratios are printed. Results go to --out as JSON.
+(llama-bench's pp512). --depth D decodes after a D-token prompt instead (llama-bench
+-d D). Each engine is loaded and warmed up once; then --rounds rounds each time
+--repeats runs of every figure on every engine and, with --llamacpp
+PATH-TO-llama-bench, one llama-bench call on the same file (all layers on the GPU,
+or none with --backend cpu), in turn. Figures are medians over all runs (llama-bench:
+over its rounds' averages), and the ratios are printed. Results go to --out as JSON.
 """
 
 import argparse
@@ -58,41 +60,62 @@ def arg_cache_off_step_stats(engine: Engine, n_decode: int, rng: np.random.Gener
         set_arg_cache_enabled(True)
 
 
-def bench_mode(
-    args: argparse.Namespace, mode: str | None, overlap: bool = True, lookahead: bool = True
-) -> dict[str, object]:
-    options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
-    n_ctx = args.n_prompt + args.n_decode + 8
-    engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
-    rng = np.random.default_rng(0)
-    decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
-    decode_tokens_per_s(engine, 8, rng, SAMPLED)  # ... and the sampling step's graph
-    prompt_tokens_per_s(engine, args.n_prompt, rng)  # the prompt's launch handles, too
-    decode = [decode_tokens_per_s(engine, args.n_decode, rng) for _ in range(args.repeats)]
-    sampled = [
-        decode_tokens_per_s(engine, args.n_decode, rng, SAMPLED) for _ in range(args.repeats)
-    ]
-    prompt = [prompt_tokens_per_s(engine, args.n_prompt, rng) for _ in range(args.repeats)]
-    result: dict[str, object] = {
-        "decode_tokens_per_s": statistics.median(decode),
-        "decode_sampled_tokens_per_s": statistics.median(sampled),
-        "prompt_tokens_per_s": statistics.median(prompt),
-        "decode_runs": decode,
-        "decode_sampled_runs": sampled,
-        "prompt_runs": prompt,
-        "device": engine.backend.device_info(),
-        "decode_step": decode_step_stats(engine, args.n_decode, rng),
-    }
-    if mode == "deferred":  # host cost of issuing a step, with and without the arg cache
-        result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(engine, args.n_decode, rng)
-    label = mode_label(mode or engine.backend.name, overlap, lookahead)
-    print(
-        f"{label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
-        f" (sampled {result['decode_sampled_tokens_per_s']:9.1f})"
-        f" | prompt {result['prompt_tokens_per_s']:10.1f} tok/s",
-        file=sys.stderr,
-    )
-    return result
+class ModeBench:
+    """One engine (a step mode, with or without overlap and pipelining), loaded and warmed
+    up once, then timed once per round."""
+
+    def __init__(self, args: argparse.Namespace, mode: str | None, overlap: bool = True,
+                 lookahead: bool = True) -> None:  # fmt: skip
+        options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
+        n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
+        self.args = args
+        self.mode = mode
+        self.engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
+        self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
+        self.rng = np.random.default_rng(0)
+        self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
+        engine, rng = self.engine, self.rng
+        decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
+        decode_tokens_per_s(engine, 8, rng, SAMPLED)  # ... and the sampling step's graph
+        prompt_tokens_per_s(engine, args.n_prompt, rng)  # the prompt's launch handles, too
+
+    def round(self) -> None:
+        """`repeats` runs of each figure."""
+        args, engine, rng = self.args, self.engine, self.rng
+        for _ in range(args.repeats):
+            self.runs["decode"].append(
+                decode_tokens_per_s(engine, args.n_decode, rng, depth=args.depth)
+            )
+        for _ in range(args.repeats):
+            self.runs["decode_sampled"].append(
+                decode_tokens_per_s(engine, args.n_decode, rng, SAMPLED, depth=args.depth)
+            )
+        for _ in range(args.repeats):
+            self.runs["prompt"].append(prompt_tokens_per_s(engine, args.n_prompt, rng))
+
+    def result(self) -> dict[str, object]:
+        engine, runs = self.engine, self.runs
+        result: dict[str, object] = {
+            "decode_tokens_per_s": statistics.median(runs["decode"]),
+            "decode_sampled_tokens_per_s": statistics.median(runs["decode_sampled"]),
+            "prompt_tokens_per_s": statistics.median(runs["prompt"]),
+            "decode_runs": runs["decode"],
+            "decode_sampled_runs": runs["decode_sampled"],
+            "prompt_runs": runs["prompt"],
+            "device": engine.backend.device_info(),
+            "decode_step": decode_step_stats(engine, self.args.n_decode, self.rng),
+        }
+        if self.mode == "deferred":  # host cost of issuing a step, with and without the cache
+            result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(
+                engine, self.args.n_decode, self.rng
+            )
+        print(
+            f"{self.label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
+            f" (sampled {result['decode_sampled_tokens_per_s']:9.1f})"
+            f" | prompt {result['prompt_tokens_per_s']:10.1f} tok/s",
+            file=sys.stderr,
+        )
+        return result
 
 
 def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:
@@ -113,6 +136,14 @@ def main() -> int:
     parser.add_argument("--n-decode", type=int, default=128)
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--depth", type=int, default=0,
+        help="decode after a prompt of this many tokens (llama-bench -d); 0: after one token",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="rounds of ours then llama-bench in turn; figures are medians over all runs",
+    )  # fmt: skip
     parser.add_argument("--llamacpp", help="path to llama-bench, to measure it in the same run")
     parser.add_argument(
         "--llamacpp-args", default="", help="more llama-bench arguments: --llamacpp-args='-t 16'"
@@ -131,36 +162,49 @@ def main() -> int:
     args = parser.parse_args()
 
     on_gpu = resolve_backend_name(args.backend) != "cpu"
-    modes = (args.mode or list(MODES)) if on_gpu else [None]
-    report: dict[str, object] = {"model": args.model, "backend": args.backend, "modes": {}}
-    for mode in modes:
-        report["modes"][mode or "cpu"] = bench_mode(args, mode)
+    benches = []
+    for mode in (args.mode or list(MODES)) if on_gpu else [None]:
+        benches.append(ModeBench(args, mode))
         if mode and args.overlap_ab:
-            report["modes"][mode_label(mode, False, True)] = bench_mode(args, mode, overlap=False)
+            benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:
-            report["modes"][mode_label(mode, True, False)] = bench_mode(args, mode, lookahead=False)
+            benches.append(ModeBench(args, mode, lookahead=False))
+    report: dict[str, object] = {"model": args.model, "backend": args.backend,
+                                 "depth": args.depth, "rounds": args.rounds}  # fmt: skip
+    peer_rounds: list[dict[str, float]] = []
     status = 0
-    if args.llamacpp:
-        try:
-            run = llama_bench(args.llamacpp, args.model, n_prompt=args.n_prompt,
-                              n_gen=args.n_decode, n_gpu_layers=99 if on_gpu else 0,
-                              extra_args=shlex.split(args.llamacpp_args))  # fmt: skip
-        except LlamaBenchError as e:
-            print(f"error: {e}", file=sys.stderr)
-            status = 1
-        else:
-            peer = llama_bench_figures(run)
-            report["llamacpp"] = peer
-            report["llamacpp_command"] = shlex.join(run.command)
-            report["llamacpp_build"] = run.build()
-            report["ratios"] = {
-                name: {k: figures[k] / peer[k] for k in peer}
-                for name, figures in report["modes"].items()
-            }
-            for name, ratio in report["ratios"].items():
-                decode, prompt = ratio["decode_tokens_per_s"], ratio["prompt_tokens_per_s"]
-                print(f"{name:>28}: x{decode:.2f} decode, x{prompt:.2f} prompt vs llama.cpp",
-                      file=sys.stderr)  # fmt: skip
+    for _ in range(args.rounds):  # ours, then llama-bench, in turn
+        for bench in benches:
+            bench.round()
+        if args.llamacpp and status == 0:
+            extra = shlex.split(args.llamacpp_args) + (
+                ["-d", str(args.depth)] if args.depth else []
+            )
+            try:
+                run = llama_bench(args.llamacpp, args.model, n_prompt=args.n_prompt,
+                                  n_gen=args.n_decode, n_gpu_layers=99 if on_gpu else 0,
+                                  extra_args=extra)  # fmt: skip
+            except LlamaBenchError as e:
+                print(f"error: {e}", file=sys.stderr)
+                status = 1
+            else:
+                peer_rounds.append(llama_bench_figures(run))
+                report["llamacpp_command"] = shlex.join(run.command)
+                report["llamacpp_build"] = run.build()
+    report["modes"] = {bench.label: bench.result() for bench in benches}
+    if peer_rounds and status == 0:
+        peer = {k: statistics.median(r[k] for r in peer_rounds) for k in peer_rounds[0]}
+        report["llamacpp"] = peer
+        report["llamacpp_rounds"] = peer_rounds
+        # At a depth llama-bench's pp test starts there too, ours does not: no prompt ratio.
+        compared = ["decode_tokens_per_s"] + ([] if args.depth else ["prompt_tokens_per_s"])
+        report["ratios"] = {
+            name: {k: figures[k] / peer[k] for k in compared}
+            for name, figures in report["modes"].items()
+        }
+        for name, ratio in report["ratios"].items():
+            line = ", ".join(f"x{ratio[k]:.2f} {k.split('_')[0]}" for k in compared)
+            print(f"{name:>28}: {line} vs llama.cpp", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return status

@@ -10,6 +10,8 @@ decode step streams a new matrix at every launch. Each shape runs:
   - every kernel variant (output rows per warp) x grid cap (blocks per SM);
   - with --baseline SRC, the kernel `auto` chose from an older gemv.hip of the same
     kernel interface, with the same launch (an A/B of kernel sources).
+One-row shapes run each variant twice: with its blocks quantizing the activation
+themselves, and ("pre") with rf_quantize_q8_gemv quantizing it once, timed with it.
 Every variant's output is checked against a numpy reference on sampled rows
 (the CPU backend's q8 arithmetic) before it is timed.
 
@@ -49,6 +51,7 @@ from rocforge_rt.backends.gpu.matmul import (
     GEMV_ROWS_PER_WARP,
     DeviceMatrix,
     gemv_shared_bytes,
+    gemv_sums,
     repack_rows,
 )
 from rocforge_rt.backends.gpu.workspace import Activation
@@ -255,48 +258,73 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
     chosen = list(backend.launcher.handles.values())[-1]
     record(f"auto {chosen.name.removeprefix('rf_gemv_')}", auto, chosen.grid[0])
 
-    args_of = lambda m: (  # noqa: E731
-        m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, gain_ptr, EPS,
+    xq_buf = backend.workspace.gemv_xq
+    args_of = lambda m, xq: (  # noqa: E731
+        m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, xq, gain_ptr, EPS,
         shape.epilogue, res_ptr, out_buf.ptr,
     )  # fmt: skip
-    shared = gemv_shared_bytes(shape.k, rows, info.warp_size)
+    quantize = bench.handle(
+        bench.functions["rf_quantize_q8_gemv"], "rf_quantize_q8_gemv",
+        math.ceil(shape.k // 4 / GEMV_THREADS), 0,
+        (x_buf.ptr, shape.k, gain_ptr, EPS, xq_buf.ptr),
+        bench.signatures["rf_quantize_q8_gemv"],
+    )  # fmt: skip
+    # One activation row may be quantized once (by rf_quantize_q8_gemv, timed with the
+    # GEMV) and copied by the GEMV's blocks ("pre"), or by each block itself.
+    prologues = [("", 0)] + ([("pre ", xq_buf.ptr)] if rows == 1 else [])
     suffix = "_swiglu" if shape.epilogue == EPILOGUE_SWIGLU else ""
     if rows == 1:
-        variants = [(no, f"rf_gemv_{fmt}_b1_n{no}{suffix}")
+        variants = [(no, f"rf_gemv_{fmt}_b1_n{no}{suffix}", gemv_sums(no, suffix, 1))
                     for no in GEMV_ROWS_PER_WARP[(fmt, suffix)]]  # fmt: skip
     else:
         no = GEMV_MULTI_ROW_NO[suffix]
-        variants = [(no, f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{no}{suffix}")]
-    for no, kernel in variants:
+        variants = [(no, f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{no}{suffix}",
+                     gemv_sums(no, suffix, GEMV_MAX_ROWS))]  # fmt: skip
+    for no, kernel, sums in variants:
+        shared = gemv_shared_bytes(shape.k, rows, info.warp_size, sums)
         blocks = math.ceil(math.ceil(shape.n / no) / warps)
         grids = sorted({min(blocks, c * sms) for c in (1, 2, 4, 8)} | {blocks})
         for grid in grids:
-            handles = [
-                bench.handle(
-                    bench.functions[kernel],
-                    kernel,
-                    grid,
-                    shared,
-                    args_of(m),
-                    bench.signatures[kernel],
-                )  # fmt: skip
-                for m in matrices
-            ]
-            record(f"n{no} cap{grid / sms:.1f}", lambda i, h=handles: h[i].launch(), grid)
+            for label, xq in prologues:
+                handles = [
+                    bench.handle(
+                        bench.functions[kernel],
+                        kernel,
+                        grid,
+                        shared,
+                        args_of(m, xq),
+                        bench.signatures[kernel],
+                    )  # fmt: skip
+                    for m in matrices
+                ]
+
+                def issue(i: int, h: list = handles, pre: bool = xq != 0) -> None:
+                    if pre:
+                        quantize.launch()
+                    h[i].launch()
+
+                record(f"{label}n{no} cap{grid / sms:.1f}", issue, grid)
 
     if bench.baseline is not None:  # the older source's kernel of the same name and launch
+        auto_xq = xq_buf.ptr if rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k else 0
         handles = [
             bench.handle(
                 bench.baseline[chosen.name],
                 chosen.name,
                 chosen.grid[0],
-                shared,
-                args_of(m),
+                chosen.shared_bytes,
+                args_of(m, auto_xq),
                 bench.baseline_signatures[chosen.name],
             )  # fmt: skip
             for m in matrices
         ]
-        record("baseline (same launch)", lambda i, h=handles: h[i].launch(), chosen.grid[0])
+
+        def baseline(i: int) -> None:
+            if auto_xq:
+                quantize.launch()
+            handles[i].launch()
+
+        record("baseline (same launch)", baseline, chosen.grid[0])
 
     for m in matrices:
         driver.free(m.qs)
@@ -344,7 +372,7 @@ def main() -> int:
         ok = [r for r in rs if r["rel_err"] <= 1e-3]
         best = min(ok, key=lambda r: r["us"]) if ok else None
         auto = next(r for r in rs if r["variant"].startswith("auto"))
-        base = next((r for r in rs if r["variant"] == "baseline"), None)
+        base = next((r for r in rs if r["variant"].startswith("baseline")), None)
         line = f"{name:>14} r{rows}: auto {auto['us']:7.2f} us {auto['tb_s']:4.2f} TB/s"
         if best:
             line += f" | best {best['variant']} g{best['grid']} {best['us']:7.2f} us"

@@ -195,3 +195,24 @@ def test_decode_bench_compares_with_llama_bench_through_the_same_helper(
     assert set(report["ratios"]["cpu"]) == {"decode_tokens_per_s", "prompt_tokens_per_s"}
     assert "-ngl 0 -fa 1 -r 3" in report["llamacpp_command"]
     assert report["llamacpp_build"]["build_commit"] == "fa4e1c0"
+
+
+def test_decode_bench_alternates_rounds_with_llama_bench_at_the_same_depth(
+    tiny_model, fake_llama_bench, tmp_path
+):
+    out = tmp_path / "decode.json"
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--repeats", "2", "--rounds", "3", "--depth", "16",
+                        "--llamacpp", fake_llama_bench, "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [c["-d"] for c in calls_of(fake_llama_bench)] == ["16", "16", "16"]
+    assert len(report["llamacpp_rounds"]) == 3 and report["depth"] == 16
+    ours = report["modes"]["cpu"]
+    assert len(ours["decode_runs"]) == len(ours["prompt_runs"]) == 6  # 3 rounds x 2 repeats
+    assert ours["decode_tokens_per_s"] == pytest.approx(statistics.median(ours["decode_runs"]))
+    assert set(report["ratios"]["cpu"]) == {"decode_tokens_per_s"}  # its pp ran at depth
+    ratio = report["ratios"]["cpu"]["decode_tokens_per_s"]
+    assert ratio == pytest.approx(
+        ours["decode_tokens_per_s"] / report["llamacpp"]["decode_tokens_per_s"]
+    )

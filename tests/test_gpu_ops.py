@@ -14,6 +14,7 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
+from rocforge_rt.backends.gpu.matmul import GEMV_PREQUANT_MIN_K
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
@@ -45,6 +46,36 @@ def test_q4_0_gemv_with_fused_rmsnorm_matches_the_cpu(gpu, k, n, rows):
     normed = rms_normalize(x, gain_tensor.data, 1e-5)
     assert rel_error(got, quantize_q8(normed) @ dense.T) <= 1e-3
     assert rel_error(got, normed @ dense.T) <= 2e-2
+
+
+@pytest.mark.parametrize("k", [576, 4096, 14336])
+def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(gpu, k):
+    """rf_quantize_q8_gemv + a GEMV copying its row, or every GEMV block normalizing and
+    quantizing x itself: the same bits, with the fused norm and without."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal(k).astype(np.float32)
+    residual = rng.standard_normal(960).astype(np.float32)
+    gain = gpu.vector(WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32)))
+    matrix = gpu.linear(weight(rng, 960, k))
+
+    def quantize_launches() -> int:
+        handles = gpu.launcher.handles.values()
+        return sum(h.launches for h in handles if h.name == "rf_quantize_q8_gemv")
+
+    results = []
+    for min_k in (0, k + 1):  # quantized once, then by every block
+        gpu.matmul.gemv_prequant_min_k = min_k
+        before = quantize_launches()
+        act = gpu.load_activation(np.concatenate([x, residual])[None])
+        x_act, res_act = type(act)(act.buf, 1, k), type(act)(act.buf, 1, 960, k * 4)
+        normed = gpu.to_host(gpu.norm_matmul(x_act, gain, matrix))
+        added = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
+        results.append((normed, added))
+        assert quantize_launches() - before == (2 if min_k == 0 else 0)
+    gpu.matmul.gemv_prequant_min_k = GEMV_PREQUANT_MIN_K
+    (pre_normed, pre_added), (own_normed, own_added) = results
+    assert np.array_equal(pre_normed, own_normed)
+    assert np.array_equal(pre_added, own_added)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 29])

@@ -52,7 +52,8 @@ from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE, RowSampling, Sampler, Sa
 KERNELS = kernels_dir()
 SOURCES = sorted(p.name for p in KERNELS.glob("*.hip"))
 HEADERS = {p.name: p.read_text() for p in sorted(KERNELS.glob("*.h"))}
-GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "f32")  # weights, n, k, x, gain, eps
+# weights, n, k, x, rows, the row quantized once (or null), gain, eps
+GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "ptr", "f32")
 
 
 def signatures() -> dict[str, tuple[str, ...]]:
@@ -180,7 +181,7 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
         "rf_rope_kv_append", "rf_attention_prefill", "rf_gemv_q4_0_b1_rope", "rf_gemv_q4_0_b8_rope",
         "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
         "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1",
-        "rf_mmv_q4_0_t1_swiglu", "rf_mmv_q4_0_t1_rope",
+        "rf_mmv_q4_0_t1_swiglu", "rf_mmv_q4_0_t1_rope", "rf_quantize_q8_gemv",
     }  # fmt: skip
 
 
@@ -207,6 +208,8 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         gpu.matmul.mmv_min_rows = GEMV_MAX_ROWS + 1  # the multi-row GEMV (an A/B lever)
         for batch in batches[-2:]:
             gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
+        gpu.matmul.gemv_prequant_min_k = 0  # one row quantized once for every GEMV
+        gpu.run_step(batches[2], lambda b: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
 
 

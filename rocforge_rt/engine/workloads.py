@@ -2,7 +2,8 @@
 and llama.cpp's llama-bench and llama-batched-bench run as the peers they are compared with.
 
 Both follow llama-bench: decode tokens/s is generation after a 1-token prompt
-(its tg; greedy unless sampling parameters are given), prompt tokens/s is the
+(its tg; greedy unless sampling parameters are given), or after a prompt of `depth`
+tokens (its tg at -d depth), prompt tokens/s is the
 prefill of random token ids, up to and including the first sampled token (its
 pp). Random-weight models may sample an end-of-generation id, so decode ignores
 those ids.
@@ -28,9 +29,11 @@ def decode_tokens_per_s(
     n_decode: int,
     rng: np.random.Generator,
     sampling: SamplingParams = SamplingParams(),
+    depth: int = 0,
 ) -> float:
-    """Batch-1 decode of `n_decode` tokens after a 1-token prompt (greedy by default)."""
-    prompt = [int(rng.integers(0, engine.hparams.n_vocab))]
+    """Batch-1 decode of `n_decode` tokens after a prompt of `depth` random tokens (one when
+    0; the prefill is not timed), greedy by default."""
+    prompt = rng.integers(0, engine.hparams.n_vocab, max(1, depth)).tolist()
     session = engine.open_session(prompt, sampling=sampling, max_tokens=n_decode + 1)
     engine.prefill(session)
     session.eog_ids = frozenset()  # keep going past a sampled end-of-generation id

@@ -1,7 +1,8 @@
 """Quantized matmuls: weights repacked at load, the decode GEMV and MMV, the prompt GEMMs.
 
 By activation rows:
-- one row (batch-1 decode): kernels/gemv.hip, dp4a dot products;
+- one row (batch-1 decode): kernels/gemv.hip, dp4a dot products; from GEMV_PREQUANT_MIN_K
+  columns the row is quantized once before (rf_quantize_q8_gemv) and copied by its blocks;
 - 2 to MMV_MAX_ROWS rows (a decode batch, short chunks): rf_mmv (kernels/gemm.hip), the
   rows quantized once, then each weight block loaded once for all rows and multiplied on
   the int8 matrix units;
@@ -37,6 +38,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     GEMM_TILE_M,
     GEMM_TILE_N,
     GEMV_MAX_ROWS,
+    GEMV_STAGES_PER_LANE,
     GEMV_THREADS,
     MMV_MAX_ROWS,
     Q4_0_BLOCK_BYTES,
@@ -68,7 +70,14 @@ GEMV_ROWS_PER_WARP = {
 }
 GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
-GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer re-quantizations of x)
+GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer prologues; 8 measured
+# 0.6-0.8% slower in 1B and 8B decode on an H100)
+# From this many columns a one-row GEMV's activation is quantized once, by
+# rf_quantize_q8_gemv, and its blocks copy it (one launch more) instead of each
+# quantizing it. Measured on an H100 (decode tok/s): 1B 1,404 with 2048, 1,301 with 4096
+# (the down projection alone), 1,194 with none; 8B 438 with 2048, 340 with none.
+# SmolLM2's 576 and 1536 columns stay below it (it is bound by its launches).
+GEMV_PREQUANT_MIN_K = 2048
 
 # rf_mmv_<fmt>_t<TW>_k<KS>_m<MS> kernels (kernels/gemm.hip): a block's KS * MS warps split
 # k KS ways and its 8-row tiles MS ways, TW each; by the block's tiles (TW * MS), the
@@ -123,14 +132,25 @@ class DeviceMatrix:
         return self.k // QK * (QK // 2 if self.fmt == "q4_0" else QK)
 
 
-def gemv_shared_bytes(k: int, rows: int, warp_size: int) -> int:
-    """Dynamic shared memory of a GEMV launch over `rows` activation rows of width k.
+def gemv_shared_bytes(k: int, rows: int, warp_size: int, sums: int) -> int:
+    """Dynamic shared memory of a GEMV launch over `rows` activation rows of width k, for
+    a kernel whose warps fold `sums` sums at a time (`gemv_sums`).
 
     Per row: block slots (k / 32 rounded up to whole sum stages) of int8 quants and a
-    (f32 scale, i32 sum) each; then the per-warp sums of squares (kernels/gemv.hip).
+    (f32 scale, i32 sum) each; then the per-warp sums of squares; then each warp's fold
+    buffer: a chunk's stage sums, GEMV_STAGES_PER_LANE * warp_size + 1 floats per sum
+    (kernels/gemv.hip).
     """
     padded_blocks = math.ceil(k // QK / Q8_STAGE) * Q8_STAGE
-    return rows * padded_blocks * (QK + 8) + GEMV_MAX_ROWS * (GEMV_THREADS // warp_size) * 4
+    warps = GEMV_THREADS // warp_size
+    fold = warps * sums * (GEMV_STAGES_PER_LANE * warp_size + 1)
+    return rows * padded_blocks * (QK + 8) + (GEMV_MAX_ROWS * warps + fold) * 4
+
+
+def gemv_sums(no: int, variant: str, row_cap: int) -> int:
+    """Sums a GEMV warp folds at once: its weight rows (2 * NO with SwiGLU) x the
+    kernel's activation rows (1 for the b1 kernels, GEMV_MAX_ROWS for the b8 ones)."""
+    return (2 * no if variant == "_swiglu" else no) * row_cap
 
 
 def kernel_variant(epilogue: int, rope_layer: int | None) -> str:
@@ -183,6 +203,8 @@ class Matmul:
         self.vendor_gemm = vendor_gemm
         self.vendor_min_flop = VENDOR_MIN_FLOP
         self.mmv_min_rows = MMV_MIN_ROWS
+        self.gemv_prequant_min_k = GEMV_PREQUANT_MIN_K  # A/B levers
+        self.gemv_max_blocks_per_sm = GEMV_MAX_BLOCKS_PER_SM
         self.mmv_warps_per_sm = MMV_WARPS_PER_SM
         self.use_prefill_gemm = True
         self.batch_invariant = vendor_gemm is None
@@ -256,7 +278,9 @@ class Matmul:
 
         One activation row (decode) takes the widest row group per warp that still gives
         each multiprocessor a block, and at most GEMV_MAX_BLOCKS_PER_SM blocks per
-        multiprocessor (the warps stride over the rest); several rows take the b8 kernels.
+        multiprocessor (the warps stride over the rest); from `gemv_prequant_min_k`
+        columns, rf_quantize_q8_gemv quantizes it once into the workspace's `gemv_xq`
+        first. Several rows take the b8 kernels, whose blocks quantize them.
         With `rope_layer`, the outputs are the Q|K|V rows of that layer: the kernel rotates
         q into the workspace's `q` and k, v into the layer's KV pool instead of storing to
         `out_ptr`.
@@ -264,10 +288,12 @@ class Matmul:
         k = matrix.k
         info = self.driver.info
         warps = GEMV_THREADS // info.warp_size
-        scratch = gemv_shared_bytes(k, 0, info.warp_size)
-        per_row_shared = gemv_shared_bytes(k, 1, info.warp_size) - scratch
-        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - scratch) // per_row_shared))
         variant = kernel_variant(epilogue, rope_layer)
+        multi_no = GEMV_MULTI_ROW_NO[variant]
+        multi_sums = gemv_sums(multi_no, variant, GEMV_MAX_ROWS)
+        fixed = gemv_shared_bytes(k, 0, info.warp_size, multi_sums)
+        per_row = gemv_shared_bytes(k, 1, info.warp_size, multi_sums) - fixed
+        max_rows = max(1, min(GEMV_MAX_ROWS, (GEMV_SHARED_LIMIT - fixed) // per_row))
         gain_ptr = gain.ptr if gain is not None else 0
         for first in range(0, x.rows, max_rows):
             rows = min(max_rows, x.rows - first)
@@ -277,12 +303,25 @@ class Matmul:
                 wide = [no for no in choices if math.ceil(n_out / no / warps) >= min_blocks]
                 no = max(wide, default=choices[0])
                 kernel = f"rf_gemv_{matrix.fmt}_b1_n{no}{variant}"
+                sums = gemv_sums(no, variant, 1)
             else:
-                no = GEMV_MULTI_ROW_NO[variant]
+                no, sums = multi_no, multi_sums
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
             blocks = math.ceil(math.ceil(n_out / no) / warps)
-            grid = (max(1, min(blocks, GEMV_MAX_BLOCKS_PER_SM * info.multiprocessors)), 1, 1)
-            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x.ptr + first * k * 4, rows, gain_ptr,
+            cap = self.gemv_max_blocks_per_sm * info.multiprocessors
+            grid = (max(1, min(blocks, cap)), 1, 1)
+            x_ptr = x.ptr + first * k * 4
+            xq_ptr = 0
+            if rows == 1 and k >= self.gemv_prequant_min_k:
+                xq_ptr = self.ws.gemv_xq.ptr
+                self._launch(
+                    ("rf_quantize_q8_gemv", x_ptr, k, gain_ptr),
+                    "rf_quantize_q8_gemv",
+                    (math.ceil(k // 4 / GEMV_THREADS), 1, 1),
+                    (GEMV_THREADS, 1, 1),
+                    (x_ptr, k, gain_ptr, self.hparams.rms_eps, xq_ptr),
+                )
+            head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x_ptr, rows, xq_ptr, gain_ptr,
                     self.hparams.rms_eps)  # fmt: skip
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
@@ -291,7 +330,7 @@ class Matmul:
                 grid,
                 (GEMV_THREADS, 1, 1),
                 head + tail,
-                gemv_shared_bytes(k, rows, info.warp_size),
+                gemv_shared_bytes(k, rows, info.warp_size, sums),
             )
 
     def _store_args(
