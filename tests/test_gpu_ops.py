@@ -14,7 +14,6 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
-from rocforge_rt.backends.gpu.matmul import GEMV_PREQUANT_MIN_K
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
@@ -49,7 +48,9 @@ def test_q4_0_gemv_with_fused_rmsnorm_matches_the_cpu(gpu, k, n, rows):
 
 
 @pytest.mark.parametrize("k", [576, 4096, 14336])
-def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(gpu, k):
+def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
+    gpu, k, monkeypatch
+):
     """rf_quantize_q8_gemv + a GEMV copying its row, or every GEMV block normalizing and
     quantizing x itself: the same bits, with the fused norm and without."""
     rng = np.random.default_rng(k)
@@ -64,7 +65,7 @@ def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
 
     results = []
     for min_k in (0, k + 1):  # quantized once, then by every block
-        gpu.matmul.gemv_prequant_min_k = min_k
+        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
         before = quantize_launches()
         act = gpu.load_activation(np.concatenate([x, residual])[None])
         x_act, res_act = type(act)(act.buf, 1, k), type(act)(act.buf, 1, 960, k * 4)
@@ -72,7 +73,6 @@ def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
         added = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
         results.append((normed, added))
         assert quantize_launches() - before == (2 if min_k == 0 else 0)
-    gpu.matmul.gemv_prequant_min_k = GEMV_PREQUANT_MIN_K
     (pre_normed, pre_added), (own_normed, own_added) = results
     assert np.array_equal(pre_normed, own_normed)
     assert np.array_equal(pre_added, own_added)

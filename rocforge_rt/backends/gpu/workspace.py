@@ -128,13 +128,13 @@ class Workspace:
         self.gemm_max_k = max(hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim_v)
         self.xq = self.zeros(max_tokens * self.gemm_max_k)
         self.xq_d = self.zeros(max_tokens * (self.gemm_max_k // QK) * f32)
-        # The MMV's input, the same in its tiles layout (whole canonical-sum stages); one
-        # decode row quantized once for the GEMVs that copy it (kernels/gemv.hip's
-        # layout: int8 quants, then an f32 scale and an i32 sum per block).
+        # The MMV's input, the same in its tiles layout (whole canonical-sum stages).
         stage_blocks = math.ceil(self.gemm_max_k // QK / Q8_STAGE) * Q8_STAGE
-        self.gemv_xq = self.zeros(stage_blocks * (QK + 8))
         self.mmv_xq = self.zeros(MMV_MAX_ROWS * stage_blocks * QK)
         self.mmv_xq_d = self.zeros(MMV_MAX_ROWS * stage_blocks * f32)
+        # One decode row quantized once for the GEMVs that copy it (kernels/gemv.hip's
+        # layout: int8 quants, then an f32 scale and an i32 sum per block).
+        self.gemv_xq = self.zeros(stage_blocks * (QK + 8))
         # The vendor GEMM's operands (when it is on): rows in fp16, one layer matrix in
         # fp16 (bigger ones, the LM head, go in slabs of rows), gate|up outputs in fp16,
         # and the library's own scratch.
