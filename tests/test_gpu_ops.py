@@ -159,9 +159,10 @@ def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_
 
 # Head dims x GQA groups (SmolLM2: 64 x 3, Llama-3.2-1B: 64 x 4, Llama-3-8B: 128 x 4; 32 and
 # 96 are the other head dims the kernels take), and contexts on both sides of the
-# 64-position key tiles, up to the longest cache below.
+# 64-position key tiles and of the decode kernel's one-block contexts (up to 1 tile for
+# head dims 96 and 128, 2 for 64, 3 for 32), up to the longest cache below.
 ATTN_SHAPES = [(64, 3), (64, 4), (64, 8), (128, 3), (128, 4), (128, 8), (32, 1), (96, 6)]
-ATTN_CONTEXTS = [1, 63, 64, 65, 1000, 8192]
+ATTN_CONTEXTS = [1, 63, 64, 65, 128, 129, 192, 193, 1000, 8192]
 ATTN_N_CTX, ATTN_CHUNK = 8192, 24  # a chunk past GEMV_MAX_ROWS takes the prefill kernel
 # The softmax weights enter the matrix units as fp16 (relative rounding <= 2^-11), q as two
 # fp16 parts hi + lo (about 22 bits). Measured on an H100 against the fp32 CPU reference,

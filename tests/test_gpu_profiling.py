@@ -92,7 +92,7 @@ def test_a_trace_of_graph_steps_has_cpu_launches_and_the_timed_steps_kernels(eng
             starts = [e["ts"] for e in inner]
             assert starts == sorted(starts)
     names = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "kernel"}
-    assert {"rf_attention_decode", "rf_argmax_advance", "rf_gemv_q4_0_b1_n1_swiglu"} <= names
+    assert {"rf_attention_decode_d64", "rf_argmax_advance", "rf_gemv_q4_0_b1_n1_swiglu"} <= names
 
 
 def test_the_daemon_switches_profiling_on_and_serves_its_tables_and_trace(model):
@@ -106,7 +106,7 @@ def test_the_daemon_switches_profiling_on_and_serves_its_tables_and_trace(model)
         assert state == {**state, "available": True, "launches": True, "kernels": True, "every": 2}
         list(client.generate(tokens=[1, 2, 3, 4], max_tokens=12))
         runtime = client.stats()["runtime"]
-        attention = runtime["kernels"]["rf_attention_decode"]
+        attention = runtime["kernels"]["rf_attention_decode_d64"]
         assert attention["gpu_us_mean"] > 0 and attention["launches"] > 0
         assert runtime["gpu_time"]["timed_steps"] >= 1
         trace = client.trace(steps=8)

@@ -111,7 +111,7 @@ def test_known_kernels_have_the_signatures_their_declarations_state() -> None:
     assert found["rf_gemv_q4_0_b8_n2_rope"] == GEMV_HEAD + rope_tail
     assert found["rf_hold"] == ("ptr", "u32", "u32")  # a volatile flag, target, naps
     assert found["rf_embed_q8_0"] == ("ptr", "i64", "i32", "i32", "ptr", "i32", "ptr")
-    assert found["rf_attention_decode"][9] == "f32"  # the score scale
+    assert found["rf_attention_decode_d64"][8] == "f32"  # the score scale
     assert found["rf_sample_advance"] == ("ptr", "i32", "ptr", "ptr", "i32", "i32") + ("ptr",) * 8
 
 

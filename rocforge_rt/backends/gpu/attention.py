@@ -145,10 +145,10 @@ class Attention:
         q_ptr, positions, slots, out = self._row_pointers(q, first)
         self._launch(
             ("attention", layer, index),
-            "rf_attention_decode",
+            f"rf_attention_decode_d{hp.head_dim_k}",
             (hp.n_head_kv, rows, ws.attn_tiles),
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
-             hp.n_head, hp.n_head_kv, hp.head_dim_k, self.qscale, ws.attn_tiles,
+             hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles,
              ws.attn_partial.ptr, ws.attn_counters.ptr, out),
         )  # fmt: skip
