@@ -6,7 +6,8 @@ gets the same bits from either. A step's rows are split into runs (rows of one s
 at consecutive positions): a run past GEMV_MAX_ROWS tokens (a prompt chunk) takes the
 prefill kernel (FlashAttention-2 style, K/V tiles shared by its tokens), the rows
 between such runs the decode kernel (a block per tile, folded by the last block to
-finish), in pieces of at most the workspace's `attn_decode_rows`. Each launch reads
+finish; a context of a tile or two, by head dim, in one block), in pieces of at most the
+workspace's `attn_decode_rows`. Both have one kernel per head dim. Each launch reads
 its rows through pointers advanced to its first row, so a ragged step (several
 sequences' prompt chunks and decode rows) is one pass; a decode step is one launch.
 """
