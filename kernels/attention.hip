@@ -65,6 +65,7 @@
 // CDNA wavefront.
 #include "rf_portability.h"
 #include "rf_constants.h"
+#include "rf_q8.h"
 
 // From rf_constants.h: RF_ATTN_TILE (key positions a tile), RF_ATTN_WARPS (warps a
 // block), RF_ATTN_PREFILL_ROWS (query rows a prefill block takes), RF_ATTN_MAX_GROUP
@@ -290,6 +291,25 @@ struct rf_attn_decode_shared {
     int last_block;
 };
 
+// A one-row step's output quantized for the O projection (xq: one row in the GEMV's layout,
+// rf_q8.h, `width` columns): the block's `group` heads from `out` (this block wrote them
+// before the barrier), which start at head `first` of the row; eight threads a 32-block.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_quantize_out(const float* out, int first, int group, int width,
+                                           uint8_t* RF_RESTRICT xq) {
+    __syncthreads();
+    const rf_q8_rows rows = rf_q8_rows_at(xq, 1, width / RF_QK);
+    const int pieces = group * (D / 4);  // whole 8-lane groups: D is a multiple of 32
+    const int lane = (int)threadIdx.x % RF_WARP_SIZE;
+    for (int base = (int)threadIdx.x - lane; base < pieces; base += RF_ATTN_THREADS) {
+        const int i = base + lane;
+        const bool active = i < pieces;
+        const rf_q8_f32x4 v = active ? *(const rf_q8_f32x4*)(out + 4 * i)
+                                     : rf_q8_f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
+        rf_quantize4(v, active, 0, first * D + 4 * i, nullptr, 1.0f, rows);
+    }
+}
+
 template <int D>
 RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_RESTRICT q,
                                      const uint16_t* RF_RESTRICT k_cache,
@@ -298,7 +318,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
                                      const int32_t* RF_RESTRICT slots, int n_ctx, int n_head,
                                      int n_kv, float qscale, int max_tiles,
                                      float* RF_RESTRICT partial, uint32_t* RF_RESTRICT counters,
-                                     float* RF_RESTRICT out) {
+                                     float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq) {
     constexpr int RECORD = D + 4;  // a part in `partial`: acc[D], m, l, 2 unused
     constexpr int PAIRS = (D / 16 + RF_ATTN_WARPS - 1) / RF_ATTN_WARPS;  // value pairs a warp
     const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
@@ -450,6 +470,9 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         }
     }
     if (alone) {
+        if (xq != nullptr) {
+            rf_attn_quantize_out<D>(out + head0 * D, kvh * group, group, n_head * D, xq);
+        }
         return;
     }
     // The last block of this (token, KV head) to finish folds every tile's part in order,
@@ -508,6 +531,9 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         }
         *(rf_attn_f32x4*)(out + (head0 + h) * D + c) = v;
     }
+    if (xq != nullptr) {
+        rf_attn_quantize_out<D>(out + head0 * D, kvh * group, group, n_head * D, xq);
+    }
 }
 
 // One kernel per head dim: one kernel switching over all four took the widest's registers
@@ -517,10 +543,10 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,         \
         const int32_t *RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, float qscale,   \
         int max_tiles, float *RF_RESTRICT partial, uint32_t *RF_RESTRICT counters,         \
-        float *RF_RESTRICT out
+        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq
 #define RF_ATTN_DECODE_ARGS                                                                \
     sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
-        counters, out
+        counters, out, xq
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;

@@ -12,8 +12,9 @@
 //   w_d   f16 [n, k/32]: the block scales
 //
 // Prologue (every block), one of two:
-//   - xq given (one activation row): copy the row rf_quantize_q8_gemv quantized once,
-//     in this file's layout (rf_q8_rows), into shared memory;
+//   - xq given (one activation row): copy the row, quantized once in rf_q8.h's layout
+//     (rf_q8_rows) by rf_quantize_q8_gemv or by the kernel that wrote it (the decode
+//     attention kernel), into shared memory;
 //   - else: optionally RMS-normalize each activation row with gain g, then quantize it
 //     into shared memory (rf_q8.h). Eight lanes quantize one 32-block (four elements
 //     each, 16-byte loads), so a warp covers four blocks per step and the reductions
@@ -62,57 +63,7 @@ struct alignas(16) rf_u32x4 {
     uint32_t v[4];
 };
 
-struct alignas(16) rf_f32x4 {
-    float v[4];
-};
-
-struct alignas(8) rf_q8_meta {
-    float d;  // block scale
-    int sum;  // sum of the block's int8 values
-};
-
-// Quantized activation rows in shared memory, `padded` block slots per row. Block
-// b = RF_Q8_STAGE * s + h of row t sits in slot t * padded + h * (padded / RF_Q8_STAGE) + s
-// (rf_gemv_slot): lanes reading block h of consecutive stages read consecutive slots
-// (no bank conflicts). A slot keeps elements 0..15 at lo + slot * 16 and 16..31 at
-// hi + slot * 16: the halves pair with a Q4_0 block's low and high nibbles.
-struct rf_q8_rows {
-    int8_t* lo;
-    int8_t* hi;
-    rf_q8_meta* meta;  // [n_rows][padded]
-    int padded;        // block slots per row: n_blocks rounded up to RF_Q8_STAGE
-};
-
-// The layout over `n_rows` rows at `base`: all lo halves, all hi halves, then the metas.
-RF_DEVICE_INLINE rf_q8_rows rf_q8_rows_at(uint8_t* base, int n_rows, int n_blocks) {
-    rf_q8_rows rows;
-    rows.padded = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE * RF_Q8_STAGE;
-    rows.lo = (int8_t*)base;
-    rows.hi = rows.lo + n_rows * rows.padded * 16;
-    rows.meta = (rf_q8_meta*)(base + n_rows * rows.padded * RF_QK);
-    return rows;
-}
-
-// Bytes of that layout: a multiple of 16.
-RF_DEVICE_INLINE int rf_q8_rows_bytes(const rf_q8_rows& rows, int n_rows) {
-    return n_rows * rows.padded * (RF_QK + (int)sizeof(rf_q8_meta));
-}
-
-RF_DEVICE_INLINE int rf_gemv_slot(const rf_q8_rows& rows, int t, int b) {
-    return t * rows.padded + (b % RF_Q8_STAGE) * (rows.padded / RF_Q8_STAGE) + b / RF_Q8_STAGE;
-}
-
-// Max and sum over the 8 aligned lanes that share one 32-element block.
-RF_DEVICE_INLINE float rf_group8_max(float v) {
-    v = fmaxf(v, rf_shfl_xor(v, 1));
-    v = fmaxf(v, rf_shfl_xor(v, 2));
-    return fmaxf(v, rf_shfl_xor(v, 4));
-}
-RF_DEVICE_INLINE int rf_group8_sum(int v) {
-    v += rf_shfl_xor(v, 1);
-    v += rf_shfl_xor(v, 2);
-    return v + rf_shfl_xor(v, 4);
-}
+typedef rf_q8_f32x4 rf_f32x4;
 
 RF_DEVICE_INLINE float rf_sum_squares(const rf_f32x4& v) {
     return rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
@@ -126,47 +77,6 @@ RF_DEVICE_INLINE float rf_gemv_inv_rms(const float* scratch, int t, int k, float
         total += scratch[t * RF_GEMV_WARPS + w];
     }
     return rf_inv_rms(total, k, eps);
-}
-
-// Quantize four consecutive elements (flat float4 index i of the activation,
-// row t, column col) as one eighth of their 32-block. Every lane of the warp
-// must call this together (it shuffles); inactive lanes pass active = false.
-RF_DEVICE_INLINE void rf_quantize4(rf_f32x4 v, bool active, int t, int col,
-                                   const float* RF_RESTRICT gain, float inv_rms,
-                                   rf_q8_rows rows) {
-    if (active && gain != nullptr) {
-        const rf_f32x4 g = *(const rf_f32x4*)(gain + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            v.v[e] = rf_normalize(v.v[e], inv_rms, g.v[e]);
-        }
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        amax = fmaxf(amax, fabsf(v.v[e]));
-    }
-    amax = rf_group8_max(amax);  // inactive lanes hold zeros and sit in whole groups
-    const float d = rf_q8_scale(amax);
-    uint32_t packed = 0;
-    int sum = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int q = rf_q8_round(v.v[e], amax, d);
-        packed |= ((uint32_t)q & 0xFFu) << (8 * e);
-        sum += q;
-    }
-    sum = rf_group8_sum(sum);
-    if (active) {
-        const int e = col % RF_QK;
-        const int blk = rf_gemv_slot(rows, t, col / RF_QK);
-        int8_t* half = e < 16 ? rows.lo : rows.hi;
-        *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
-        if (e == 0) {
-            rows.meta[blk].d = d;
-            rows.meta[blk].sum = sum;
-        }
-    }
 }
 
 // Normalize (optional) and quantize x[n_rows][k] (rows contiguous) into shared
@@ -446,7 +356,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
 #pragma unroll
                 for (int t = 0; t < RCAP; ++t) {
                     if (t < n_rows) {
-                        const int slot = rf_gemv_slot(rows, t, b);
+                        const int slot = rf_q8_slot(rows, t, b);
                         const rf_u32x4 xl = *(const rf_u32x4*)(rows.lo + slot * 16);
                         const rf_u32x4 xh = *(const rf_u32x4*)(rows.hi + slot * 16);
                         const rf_q8_meta m = rows.meta[slot];

@@ -76,6 +76,99 @@ RF_DEVICE_INLINE int rf_q8_round(float v, float amax, float d) {
     return amax == 0.0f ? 0 : (int)roundf(v / d);
 }
 
+// ---------------------------------------------------------------------------------------
+// The GEMV's quantized rows (gemv.hip keeps them in shared memory; rf_quantize_q8_gemv and
+// the decode attention kernel write one row of them to global memory for the GEMV to copy).
+
+struct alignas(8) rf_q8_meta {
+    float d;  // block scale
+    int sum;  // sum of the block's int8 values
+};
+
+// Quantized activation rows, `padded` block slots per row. Block
+// b = RF_Q8_STAGE * s + h of row t sits in slot t * padded + h * (padded / RF_Q8_STAGE) + s
+// (rf_q8_slot): lanes reading block h of consecutive stages read consecutive slots
+// (no bank conflicts). A slot keeps elements 0..15 at lo + slot * 16 and 16..31 at
+// hi + slot * 16: the halves pair with a Q4_0 block's low and high nibbles.
+struct rf_q8_rows {
+    int8_t* lo;
+    int8_t* hi;
+    rf_q8_meta* meta;  // [n_rows][padded]
+    int padded;        // block slots per row: n_blocks rounded up to RF_Q8_STAGE
+};
+
+// The layout over `n_rows` rows at `base`: all lo halves, all hi halves, then the metas.
+RF_DEVICE_INLINE rf_q8_rows rf_q8_rows_at(uint8_t* base, int n_rows, int n_blocks) {
+    rf_q8_rows rows;
+    rows.padded = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE * RF_Q8_STAGE;
+    rows.lo = (int8_t*)base;
+    rows.hi = rows.lo + n_rows * rows.padded * 16;
+    rows.meta = (rf_q8_meta*)(base + n_rows * rows.padded * RF_QK);
+    return rows;
+}
+
+// Bytes of that layout: a multiple of 16.
+RF_DEVICE_INLINE int rf_q8_rows_bytes(const rf_q8_rows& rows, int n_rows) {
+    return n_rows * rows.padded * (RF_QK + (int)sizeof(rf_q8_meta));
+}
+
+RF_DEVICE_INLINE int rf_q8_slot(const rf_q8_rows& rows, int t, int b) {
+    return t * rows.padded + (b % RF_Q8_STAGE) * (rows.padded / RF_Q8_STAGE) + b / RF_Q8_STAGE;
+}
+
+// Max and sum over the 8 aligned lanes that share one 32-element block.
+RF_DEVICE_INLINE float rf_group8_max(float v) {
+    v = fmaxf(v, rf_shfl_xor(v, 1));
+    v = fmaxf(v, rf_shfl_xor(v, 2));
+    return fmaxf(v, rf_shfl_xor(v, 4));
+}
+RF_DEVICE_INLINE int rf_group8_sum(int v) {
+    v += rf_shfl_xor(v, 1);
+    v += rf_shfl_xor(v, 2);
+    return v + rf_shfl_xor(v, 4);
+}
+
+// Quantize four consecutive elements (flat float4 index i of the activation,
+// row t, column col) as one eighth of their 32-block. Every lane of the warp
+// must call this together (it shuffles); inactive lanes pass active = false.
+RF_DEVICE_INLINE void rf_quantize4(rf_q8_f32x4 v, bool active, int t, int col,
+                                   const float* RF_RESTRICT gain, float inv_rms,
+                                   rf_q8_rows rows) {
+    if (active && gain != nullptr) {
+        const rf_q8_f32x4 g = *(const rf_q8_f32x4*)(gain + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v.v[e] = rf_normalize(v.v[e], inv_rms, g.v[e]);
+        }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        amax = fmaxf(amax, fabsf(v.v[e]));
+    }
+    amax = rf_group8_max(amax);  // inactive lanes hold zeros and sit in whole groups
+    const float d = rf_q8_scale(amax);
+    uint32_t packed = 0;
+    int sum = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int q = rf_q8_round(v.v[e], amax, d);
+        packed |= ((uint32_t)q & 0xFFu) << (8 * e);
+        sum += q;
+    }
+    sum = rf_group8_sum(sum);
+    if (active) {
+        const int e = col % RF_QK;
+        const int blk = rf_q8_slot(rows, t, col / RF_QK);
+        int8_t* half = e < 16 ? rows.lo : rows.hi;
+        *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
+        if (e == 0) {
+            rows.meta[blk].d = d;
+            rows.meta[blk].sum = sum;
+        }
+    }
+}
+
 // One block's step of a stage sum (see the canonical sum above); `dot` holds the
 // block's integer dot product exactly (|dot| < 2^24).
 RF_DEVICE_INLINE float rf_q8_stage_add(float stage, float d_w, float d_x, float dot) {

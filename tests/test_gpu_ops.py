@@ -126,6 +126,43 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
     assert gpu.workspace.attn_tiles > 1
 
 
+@pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (96, 8, 8)])
+@pytest.mark.parametrize("context", [1, 129, 1000])  # one block alone (head dim 64), or folded
+def test_one_row_attention_hands_the_o_projection_its_output_quantized(
+    head_dim, n_head, n_kv, context, monkeypatch
+):
+    """A one-row decode step's attention also writes its output row in the GEMV's q8 layout:
+    the bytes rf_quantize_q8_gemv makes of that row, and the O projection copying them gives
+    the bits of a GEMV whose blocks quantize the row themselves."""
+    width = n_head * head_dim
+    hp = hparams(n_embd=width, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=1024, max_tokens=4)
+    rng = np.random.default_rng(context + head_dim)
+    for cache in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
+        gpu.driver.copy_htod(cache, rng.standard_normal((1024, n_kv, head_dim)).astype(np.float16))
+    batch = StepBatch.decode([1], [context - 1], [0])
+    gpu.write_step_state(batch)
+    q = rng.standard_normal((1, width)).astype(np.float32)
+    residual = rng.standard_normal((1, width)).astype(np.float32)
+    matrix = gpu.linear(weight(rng, width, width))
+    xq = gpu.workspace.gemv_xq
+    xq_bytes = type(gpu.load_activation(q))(xq, 1, width // 32 * (32 + 8) // 4)
+
+    attn = gpu.attention(gpu.load_activation(np.concatenate([q, residual], axis=1)), 0, batch)
+    assert attn.q8 == xq.ptr
+    from_attention = gpu.to_host(xq_bytes).view(np.uint8).copy()
+    res_act = type(attn)(gpu.workspace.x, 1, width, width * 4)
+    copied = gpu.to_host(gpu.matmul_add(attn, matrix, res_act))
+
+    plain = type(attn)(attn.buf, 1, width)  # the same float row, no q8 form
+    for min_k in (0, width + 1):  # rf_quantize_q8_gemv, then every block quantizing
+        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
+        gpu.load_activation(np.concatenate([q, residual], axis=1))
+        assert np.array_equal(gpu.to_host(gpu.matmul_add(plain, matrix, res_act)), copied)
+        if min_k == 0:
+            assert np.array_equal(gpu.to_host(xq_bytes).view(np.uint8), from_attention)
+
+
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])
 @pytest.mark.parametrize("start", [0, 2963, 8147])  # 8147: the chunk ends at position 8191
 def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_head, n_kv, start):

@@ -9,7 +9,9 @@ between such runs the decode kernel (a block per tile, folded by the last block 
 finish; a context of a tile or two, by head dim, in one block), in pieces of at most the
 workspace's `attn_decode_rows`. Both have one kernel per head dim. Each launch reads
 its rows through pointers advanced to its first row, so a ragged step (several
-sequences' prompt chunks and decode rows) is one pass; a decode step is one launch.
+sequences' prompt chunks and decode rows) is one pass; a decode step is one launch. In a
+one-row step the decode kernel also quantizes the output row for the O projection's GEMV
+(kernels/rf_q8.h's layout, the bits rf_quantize_q8_gemv would give), which copies it.
 """
 
 import math
@@ -100,16 +102,23 @@ class Attention:
         self.qscale = float(np.float32(LOG2_E / math.sqrt(hparams.head_dim_k)))
         # The launches of the step being issued (every layer's are the same).
         self._ranges: tuple[StepBatch | None, list[AttentionRange]] = (None, [])
+        # A one-row step's output is also quantized by the decode kernel, in the layout the
+        # O projection's GEMV copies (A/B lever).
+        self.quantize_out = True
 
     def __call__(self, q: Activation, layer: int, batch: StepBatch) -> Activation:
         """Each token over its slot's cache: runs of one slot's consecutive positions past
         GEMV_MAX_ROWS rows take the prefill kernel, the other rows the decode kernel; both
         give a token the same bits (kernels/attention.hip)."""
-        for index, launch in enumerate(self._step_ranges(batch)):
-            run = self._prefill if launch.prefill else self._decode
-            run(q, layer, index, launch.first, launch.rows)
+        ranges = self._step_ranges(batch)
+        xq = self.ws.gemv_xq.ptr if self.quantize_out and q.rows == 1 else 0
+        for index, launch in enumerate(ranges):
+            if launch.prefill:
+                self._prefill(q, layer, index, launch.first, launch.rows)
+            else:
+                self._decode(q, layer, index, launch.first, launch.rows, xq)
         hp = self.hparams
-        return Activation(self.ws.attn, q.rows, hp.n_head * hp.head_dim_v)
+        return Activation(self.ws.attn, q.rows, hp.n_head * hp.head_dim_v, q8=xq)
 
     def _step_ranges(self, batch: StepBatch) -> list[AttentionRange]:
         """The batch's attention launches, computed once for all its layers."""
@@ -140,8 +149,11 @@ class Attention:
              self.n_ctx, hp.n_head, hp.n_head_kv, self.qscale, out),
         )  # fmt: skip
 
-    def _decode(self, q: Activation, layer: int, index: int, first: int, rows: int) -> None:
-        """Rows of any slots and positions (at most `attn_decode_rows`) on the decode kernel."""
+    def _decode(
+        self, q: Activation, layer: int, index: int, first: int, rows: int, xq: int
+    ) -> None:
+        """Rows of any slots and positions (at most `attn_decode_rows`) on the decode kernel;
+        with `xq` (a one-row step), the output row is also quantized there."""
         hp, ws = self.hparams, self.ws
         q_ptr, positions, slots, out = self._row_pointers(q, first)
         self._launch(
@@ -151,5 +163,5 @@ class Attention:
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
              hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles,
-             ws.attn_partial.ptr, ws.attn_counters.ptr, out),
+             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq),
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """Quantized matmuls: weights repacked at load, the decode GEMV and MMV, the prompt GEMMs.
 
 By activation rows:
-- one row (batch-1 decode): kernels/gemv.hip, dp4a dot products; from GEMV_PREQUANT_MIN_K
-  columns the row is quantized once before (rf_quantize_q8_gemv) and copied by its blocks;
+- one row (batch-1 decode): kernels/gemv.hip, dp4a dot products; its blocks copy the
+  row quantized by the kernel that wrote it (the attention's output: `Activation.q8`), else
+  from GEMV_PREQUANT_MIN_K columns by rf_quantize_q8_gemv first, else quantize it themselves;
 - 2 to MMV_MAX_ROWS rows (a decode batch, short chunks): rf_mmv (kernels/gemm.hip), the
   rows quantized once, then each weight block loaded once for all rows and multiplied on
   the int8 matrix units;
@@ -278,9 +279,10 @@ class Matmul:
 
         One activation row (decode) takes the widest row group per warp that still gives
         each multiprocessor a block, and at most GEMV_MAX_BLOCKS_PER_SM blocks per
-        multiprocessor (the warps stride over the rest); from `gemv_prequant_min_k`
-        columns, rf_quantize_q8_gemv quantizes it once into the workspace's `gemv_xq`
-        first. Several rows take the b8 kernels, whose blocks quantize them.
+        multiprocessor (the warps stride over the rest); its blocks copy the row's `q8`
+        form when its writer made one, else from `gemv_prequant_min_k` columns
+        rf_quantize_q8_gemv quantizes it once into the workspace's `gemv_xq` first.
+        Several rows take the b8 kernels, whose blocks quantize them.
         With `rope_layer`, the outputs are the Q|K|V rows of that layer: the kernel rotates
         q into the workspace's `q` and k, v into the layer's KV pool instead of storing to
         `out_ptr`.
@@ -311,8 +313,8 @@ class Matmul:
             cap = self.gemv_max_blocks_per_sm * info.multiprocessors
             grid = (max(1, min(blocks, cap)), 1, 1)
             x_ptr = x.ptr + first * k * 4
-            xq_ptr = 0
-            if rows == 1 and k >= self.gemv_prequant_min_k:
+            xq_ptr = x.q8 if rows == 1 and gain is None else 0  # quantized by its writer
+            if rows == 1 and not xq_ptr and k >= self.gemv_prequant_min_k:
                 xq_ptr = self.ws.gemv_xq.ptr
                 self._launch(
                     ("rf_quantize_q8_gemv", x_ptr, k, gain_ptr),

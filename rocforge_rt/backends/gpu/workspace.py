@@ -36,12 +36,15 @@ ARGMAX_SLICE = 2048  # vocabulary entries per argmax block (the kernel takes any
 
 @dataclass(frozen=True)
 class Activation:
-    """Rows of fp32 activations in a device buffer, starting `offset` bytes in."""
+    """Rows of fp32 activations in a device buffer, starting `offset` bytes in; `q8`, when
+    not 0, is the device address of the (one) row quantized in the GEMV's layout by the
+    kernel that wrote it (kernels/rf_q8.h), for a GEMV to copy instead of quantizing it."""
 
     buf: Any
     rows: int
     width: int
     offset: int = 0
+    q8: int = 0
 
     @property
     def ptr(self) -> int:
@@ -132,8 +135,9 @@ class Workspace:
         stage_blocks = math.ceil(self.gemm_max_k // QK / Q8_STAGE) * Q8_STAGE
         self.mmv_xq = self.zeros(MMV_MAX_ROWS * stage_blocks * QK)
         self.mmv_xq_d = self.zeros(MMV_MAX_ROWS * stage_blocks * f32)
-        # One decode row quantized once for the GEMVs that copy it (kernels/gemv.hip's
-        # layout: int8 quants, then an f32 scale and an i32 sum per block).
+        # One decode row quantized once for the GEMVs that copy it (kernels/rf_q8.h's
+        # layout: int8 quants, then an f32 scale and an i32 sum per block), written by
+        # rf_quantize_q8_gemv or the decode attention kernel.
         self.gemv_xq = self.zeros(stage_blocks * (QK + 8))
         # The vendor GEMM's operands (when it is on): rows in fp16, one layer matrix in
         # fp16 (bigger ones, the LM head, go in slabs of rows), gate|up outputs in fp16,
