@@ -10,13 +10,18 @@ prompt (llama-bench's tg128); the same sampled at temperature 0.8, top-k 40, top
 PATH-TO-llama-bench, one llama-bench call on the same file (all layers on the GPU,
 or none with --backend cpu), in turn. Figures are medians over all runs (llama-bench:
 over its rounds' averages), and the ratios are printed. Results go to --out as JSON.
+--kernels NAME=DIR (repeatable) loads each engine once more per kernel source tree (an
+A/B of kernel changes in one run, the trees' engines timed in turn each round).
 """
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,14 +69,23 @@ class ModeBench:
     """One engine (a step mode, with or without overlap and pipelining), loaded and warmed
     up once, then timed once per round."""
 
-    def __init__(self, args: argparse.Namespace, mode: str | None, overlap: bool = True,
-                 lookahead: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        mode: str | None,
+        overlap: bool = True,
+        lookahead: bool = True,
+        kernels: tuple[str, str] | None = None,
+    ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
         self.args = args
         self.mode = mode
-        self.engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
+        with kernel_sources(kernels[1] if kernels else None):
+            self.engine = Engine.load(args.model, backend=args.backend, n_ctx=n_ctx, **options)
         self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
+        if kernels:
+            self.label += f" [{kernels[0]}]"
         self.rng = np.random.default_rng(0)
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
@@ -118,6 +132,29 @@ class ModeBench:
         return result
 
 
+@contextlib.contextmanager
+def kernel_sources(directory: str | None) -> Iterator[None]:
+    """Engines loaded inside compile the kernel sources in `directory` (None: the default)."""
+    before = os.environ.get("ROCFORGE_KERNELS_DIR")
+    if directory is not None:
+        os.environ["ROCFORGE_KERNELS_DIR"] = directory
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ROCFORGE_KERNELS_DIR", None)
+        else:
+            os.environ["ROCFORGE_KERNELS_DIR"] = before
+
+
+def kernels_variant(text: str) -> tuple[str, str]:
+    """NAME=DIR of --kernels."""
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not Path(directory).is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR a folder, got {text!r}")
+    return name, directory
+
+
 def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:
     return mode + ("" if overlap else " (no overlap)") + ("" if lookahead else " (not pipelined)")
 
@@ -158,6 +195,10 @@ def main() -> int:
         action="store_true",
         help="also run graph mode with each decode step read back before the next is issued",
     )
+    parser.add_argument(
+        "--kernels", action="append", type=kernels_variant, default=[], metavar="NAME=DIR",
+        help="also load each engine with the kernel sources in DIR (an A/B of kernel trees)",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
 
@@ -165,6 +206,7 @@ def main() -> int:
     benches = []
     for mode in (args.mode or list(MODES)) if on_gpu else [None]:
         benches.append(ModeBench(args, mode))
+        benches += [ModeBench(args, mode, kernels=variant) for variant in args.kernels]
         if mode and args.overlap_ab:
             benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:

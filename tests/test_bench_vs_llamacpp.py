@@ -216,3 +216,35 @@ def test_decode_bench_alternates_rounds_with_llama_bench_at_the_same_depth(
     assert ratio == pytest.approx(
         ours["decode_tokens_per_s"] / report["llamacpp"]["decode_tokens_per_s"]
     )
+
+
+def test_decode_bench_times_an_engine_per_kernel_tree_in_every_round(tiny_model, tmp_path):
+    out = tmp_path / "decode.json"
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--repeats", "1", "--rounds", "2",
+                        "--kernels", f"before={ROOT / 'kernels'}", "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"cpu", "cpu [before]"}
+    assert all(len(figures["decode_runs"]) == 2 for figures in modes.values())
+
+
+def test_decode_bench_refuses_a_kernel_tree_that_is_not_a_folder(tiny_model, tmp_path):
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu",
+                        "--kernels", f"before={tmp_path / 'absent'}")  # fmt: skip
+    assert result.returncode == 2 and "NAME=DIR" in result.stderr
+
+
+def test_engines_loaded_inside_kernel_sources_compile_that_tree_and_nothing_else_does(
+    monkeypatch, tmp_path
+):
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
+    bench_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_decode)
+    from rocforge_rt.backends.gpu.kernel_library import kernels_dir
+
+    monkeypatch.delenv("ROCFORGE_KERNELS_DIR", raising=False)
+    default = kernels_dir()
+    with bench_decode.kernel_sources(str(tmp_path)):
+        assert kernels_dir() == tmp_path
+    assert kernels_dir() == default

@@ -52,6 +52,14 @@ def test_ragged_rows_put_every_logits_row_last_and_keep_each_sequence_in_order()
     assert batch.logit_rows.tolist() == [4, 5] and batch.sampling.rows == 2
 
 
+def test_the_next_decode_step_fits_only_while_every_rows_next_position_is_in_its_slot():
+    batch = StepBatch.ragged([SequencePart([7], 61, 0, wants_logits=True),
+                              SequencePart([8], 62, 1, wants_logits=True)])  # fmt: skip
+    assert batch.next_decode_fits(64)  # positions 62 and 63 come next
+    assert not batch.next_decode(batch.tokens).next_decode_fits(64)  # 63 and 64
+    assert batch.next_decode(batch.tokens).positions.tolist() == [62, 63]
+
+
 @pytest.mark.parametrize("chunk", [3, 16])  # 16: a chunk past the GEMV's 8 rows beside short ones
 @pytest.mark.parametrize("ragged", [True, False])
 def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(

@@ -275,7 +275,7 @@ class CpuBackend:
 
     def _fits_next(self, batch: StepBatch) -> bool:
         """Whether the decode step after `batch` (a decode step) stays inside its slots."""
-        return batch.decode_shaped and int(batch.positions.max()) + 1 < self.n_ctx
+        return batch.decode_shaped and batch.next_decode_fits(self.n_ctx)
 
     @staticmethod
     def _step(

@@ -120,6 +120,10 @@ class StepBatch:
         token it sampled (`tokens`) one position on."""
         return StepBatch(tokens, self.positions + 1, self.slots, self.logit_rows, self.sampling)
 
+    def next_decode_fits(self, n_ctx: int) -> bool:
+        """Whether the decode step after this one stays inside slots of `n_ctx` positions."""
+        return int(self.positions.max()) + 1 < n_ctx
+
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])

@@ -234,9 +234,9 @@ class StepExecutor:
     def _issue_ahead(self, step: IssuedStep) -> None:
         """Replay `step`'s graph again: the next decode step of its rows, which the device's
         step state already describes; nothing when a row's next position is past its slot."""
-        batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
-        if int(batch.positions.max()) >= self.n_ctx:
+        if not step.batch.next_decode_fits(self.n_ctx):
             return
+        batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
         self._graphs[(batch.n_tokens, batch.sampling.needs_sampler)].replay()
         self._ahead = self._queue_readback(batch, False)
 
