@@ -333,6 +333,10 @@ class Client:
             operator_key=operator_key,
         )
 
+    def metrics(self, *, timeout: float | None = None) -> str:
+        """The daemon's Prometheus metrics, in the text exposition format."""
+        return self.call("metrics", timeout=timeout)["text"]
+
     def trace(
         self,
         *,

@@ -176,6 +176,8 @@ def test_client_health_stats_and_trace(daemon: Daemon, tmp_path: Path, capsys) -
         main(["client", "trace", "--steps", "2", "--output", str(tmp_path / "t.json"), *addr]) == 0
     )
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert main(["client", "metrics", *addr]) == 0
+    assert "# TYPE rocforge:time_to_first_token_seconds histogram" in capsys.readouterr().out
 
 
 def test_client_commands_report_daemon_errors(daemon: Daemon, capsys) -> None:

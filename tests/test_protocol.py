@@ -35,7 +35,7 @@ def test_error_codes_are_the_documented_strings() -> None:
 def test_every_op_of_the_design_is_known() -> None:
     assert set(OPS) == {
         "info", "open", "step", "generate", "append", "abort", "close", "stats", "trace", "health",
-        "profile",
+        "profile", "metrics",
     }  # fmt: skip
 
 

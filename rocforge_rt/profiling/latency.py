@@ -8,7 +8,7 @@ request. Only client requests are recorded: the start-up warm-up never is.
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 PERCENTILES = (50, 90, 99)
@@ -94,10 +94,25 @@ class RequestTimer:
         return record
 
 
-class LatencyRecorder:
-    """Keeps recent request records and inter-token gaps; thread-safe to read and reset."""
+# Told of every request record as it is added, with its inter-token gaps (seconds).
+RecordObserver = Callable[[RequestRecord, Sequence[float]], None]
 
-    def __init__(self, *, max_records: int = 10_000, max_gaps: int = 100_000) -> None:
+
+class LatencyRecorder:
+    """Keeps recent request records and inter-token gaps; thread-safe to read and reset.
+
+    `observers` see every record as it is added (the daemon's Prometheus metrics), and are
+    not reset with the records.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_records: int = 10_000,
+        max_gaps: int = 100_000,
+        observers: Sequence[RecordObserver] = (),
+    ) -> None:
+        self._observers = tuple(observers)
         self._lock = threading.Lock()
         self._records: deque[RequestRecord] = deque(maxlen=max_records)
         self._gaps_ms: deque[float] = deque(maxlen=max_gaps)
@@ -114,6 +129,8 @@ class LatencyRecorder:
             self._gaps_ms.extend(g * 1000.0 for g in gaps_s)
             self._requests += 1
             self._tokens += record.completion_tokens
+        for observer in self._observers:
+            observer(record, gaps_s)
 
     def summary(self) -> dict[str, object]:
         """Counts and distributions (ms) of TTFT, inter-token latency and end-to-end."""

@@ -195,6 +195,13 @@ def _cmd_client_health(args: argparse.Namespace) -> int:
 
 
 @_reporting_client_errors
+def _cmd_client_metrics(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.metrics(), end="")
+    return 0
+
+
+@_reporting_client_errors
 def _cmd_client_trace(args: argparse.Namespace) -> int:
     with _client(args) as client:
         trace = client.trace(steps=args.steps, operator_key=args.operator_key)
@@ -520,6 +527,9 @@ def add_server_commands(sub: Any) -> None:
     health = client_sub.add_parser("health", help="live/ready (exit 0 when ready)")
     _client_options(health, timeout=HEALTH_TIMEOUT_S)
     health.set_defaults(func=_cmd_client_health)
+    metrics = client_sub.add_parser("metrics", help="Prometheus metrics, in the text format")
+    _client_options(metrics)
+    metrics.set_defaults(func=_cmd_client_metrics)
     _add_trace_command(client_sub)
     _add_trace_command(sub)  # `rocforge trace`, the same as `rocforge client trace`
     profile = client_sub.add_parser(

@@ -4,6 +4,7 @@ The I/O thread is the only one that touches the ROUTER socket. It reads each
 request (bounded frames, ZMQ_MAXMSGSIZE, unpacker limits), validates it,
 answers `health`, `info`, `abort`, `stats` and `trace` itself, hands engine
 work to the engine thread (engine_loop.py), and forwards that thread's replies.
+`metrics` answers with the Prometheus text of the daemon's metrics (metrics.py).
 It never waits on the engine, so it answers during a long prefill. Replies that do not
 fit a client's queue wait in a backlog bounded in messages and bytes (backlog.py). The two
 threads share the job board (jobs.py). Sessions answer to their token, never to a
@@ -40,6 +41,7 @@ from rocforge_rt.server.backlog import PIPE_MESSAGES, Backlog
 from rocforge_rt.server.config import DaemonConfig, ServerError, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
+from rocforge_rt.server.metrics import DaemonMetrics
 from rocforge_rt.server.peers import (
     PeerWatch,
     generated_routing_id,
@@ -91,7 +93,12 @@ class Daemon:
         self.config = config
         self.board = JobBoard(found.slots, config.max_sessions_per_client)  # the engine's slots
         self._loopback = is_loopback_endpoint(config.bind)
-        self.latency = LatencyRecorder()
+        self.metrics = DaemonMetrics(
+            usage=lambda: self.engine_loop.usage,
+            runtime=lambda: self.engine_loop.runtime_stats,
+            waiting=lambda: self.board.counts().get("waiting", 0),
+        )
+        self.latency = LatencyRecorder(observers=[self.metrics.observe_request])
         self._draining = False
         self.error: Exception | None = None
         self._stop_requested = threading.Event()
@@ -120,7 +127,13 @@ class Daemon:
         self._replies.rcvhwm = 0
         self._replies.bind(reply_endpoint)
         self.engine_loop = EngineLoop(
-            found.build, self.limits, self.board, self.latency, self._context, reply_endpoint
+            found.build,
+            self.limits,
+            self.board,
+            self.latency,
+            self._context,
+            reply_endpoint,
+            on_decode_step=self.metrics.observe_step,
         )
         log.info("listening on %s", self.endpoint)
 
@@ -393,6 +406,7 @@ class Daemon:
             "info": self._info,
             "stats": lambda r: queries.stats(self.engine_loop, self.latency, r, self._uptime()),
             "trace": lambda r: queries.trace(self.engine_loop, r),
+            "metrics": lambda _r: {"text": self.metrics.exposition().decode()},
             "profile": lambda r: queries.profile(self.engine_loop, r),
             "abort": lambda r: self._abort(job, r),
         }.get(request.op)

@@ -62,8 +62,10 @@ class EngineLoop:
         latency: LatencyRecorder,
         context: zmq.Context,
         reply_endpoint: str,
+        on_decode_step: Callable[[int], None] = lambda _sessions: None,
     ) -> None:
         self._engine_factory = engine_factory
+        self._on_decode_step = on_decode_step  # told each step's decoded sessions (metrics)
         self.limits = limits
         self._board = board
         self._latency = latency
@@ -295,6 +297,7 @@ class EngineLoop:
                 self._engine_failed([*decode, *(j for j, _ in chunks)], exc)
                 return None
             engine_ns = time.perf_counter_ns() - engine_started
+            self._on_decode_step(len(decode))
             first_tokens = sum(event is not None for event in out.prefilled)
             self._throughput.add(n_tokens - len(decode), len(decode) + first_tokens)
             for job, event in zip(decode, out.decoded, strict=True):

@@ -132,6 +132,7 @@ OPS: dict[str, dict[str, Check]] = {
         "operator_key": _SECRET,
     },
     "trace": {"steps": integer(1, MAX_TRACE_STEPS), "operator_key": _SECRET},
+    "metrics": {},
     "profile": {
         "launches": boolean,
         "kernels": boolean,
