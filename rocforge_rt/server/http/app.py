@@ -281,37 +281,35 @@ class Front:
     async def _events(
         shaper: Shaper, stream: Stream, first: dict[str, Any], record: Outcome
     ) -> AsyncIterator[bytes]:
-        """The SSE events of a streamed generation whose first reply has come."""
-        ended = False
+        """The SSE events of a streamed generation whose first reply has come (EventStream
+        closes `stream` when they end, however they end)."""
         try:
-            try:
-                for chunk in shaper.opening_chunks():
+            for chunk in shaper.opening_chunks():
+                yield _sse(chunk)
+            reply = first
+            while True:
+                for chunk in shaper.chunks(reply):
                     yield _sse(chunk)
-                reply = first
-                while True:
-                    for chunk in shaper.chunks(reply):
-                        yield _sse(chunk)
-                    if stream.done:
-                        break
-                    reply = await stream.next()
-                    record.note_reply(reply)
-            except DaemonError as exc:
-                record.error = exc.code
-                yield _sse(from_daemon(exc.code, exc.message).body())
-            except DaemonUnavailable as exc:
-                record.error = "daemon_unavailable"
-                yield _sse(unavailable(f"the daemon is unavailable: {exc}").body())
-            yield DONE_EVENT
-            ended = True
-        finally:
-            stream.close()  # aborts the generation when it has not ended
-            record.client_gone = record.client_gone or not ended
+                if stream.done:
+                    break
+                reply = await stream.next()
+                record.note_reply(reply)
+        except DaemonError as exc:
+            record.error = exc.code
+            yield _sse(from_daemon(exc.code, exc.message).body())
+        except DaemonUnavailable as exc:
+            record.error = "daemon_unavailable"
+            yield _sse(unavailable(f"the daemon is unavailable: {exc}").body())
+        yield DONE_EVENT
 
 
 def _close(stream: Stream, record: Outcome) -> None:
-    """The end of a streamed response: a generation not over when it ends lost its client."""
-    record.client_gone = record.client_gone or not stream.done
+    """The end of a streamed response: the generation is aborted if it has not ended, and a
+    response that ended before its last reply or its error lost its client."""
     stream.close()
+    record.client_gone = record.client_gone or (
+        record.finish_reason is None and record.error is None
+    )
 
 
 def _handler(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
