@@ -1,4 +1,5 @@
-"""The `rocforge` command: generate, convert, models."""
+"""The `rocforge` command: generate, convert, models (and the serving commands: serve, client,
+keys, demo, http)."""
 
 import argparse
 import sys
@@ -12,6 +13,7 @@ from rocforge_rt.server.cli_commands import (
     add_generation_options,
     add_server_commands,
 )
+from rocforge_rt.server.http.command import add_http_command
 
 MIN_CTX_SIZE = 2  # a prompt token and a generated one
 
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     default.set_defaults(func=_cmd_models_default)
 
     add_server_commands(sub)  # serve, client, keys, demo
+    add_http_command(sub)  # http: the OpenAI-compatible front (server/http/)
     return parser
 
 

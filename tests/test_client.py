@@ -120,6 +120,15 @@ def test_a_text_turn_appends_to_an_open_session(client: Client) -> None:
     client.close(opened.session)
 
 
+def test_logprobs_bring_the_bytes_of_each_token_and_alternative(client: Client) -> None:
+    reply = client.call("open", prompt="The capital of France is", max_tokens=1, logprobs=2)
+    (token,) = reply["tokens"]
+    assert token["bytes"].decode() == token["text"]
+    assert len(token["top_bytes"]) == len(token["top_logprobs"]) == 2
+    assert all(isinstance(b, bytes) and b for b in token["top_bytes"])
+    client.close(reply["session"], token=reply["token"])
+
+
 def test_leaving_a_generate_loop_early_aborts_the_request(client: Client) -> None:
     for _reply in client.generate(messages=CHAT, max_tokens=32):
         break

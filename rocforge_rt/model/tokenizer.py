@@ -367,6 +367,10 @@ class TextStream:
         self._skip_special = skip_special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
     def push(self, token_id: int) -> str:
         """Add one token; return the characters it completes (possibly '')."""
         return self._decoder.decode(self._tokenizer._visible_bytes(token_id, self._skip_special))

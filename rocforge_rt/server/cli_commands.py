@@ -1,4 +1,5 @@
-"""The `rocforge` subcommands of the serving half: serve, client, keys, demo.
+"""The `rocforge` subcommands of the serving half: serve (with `--http`, the HTTP front as a
+child process: front_process.py), client, keys, demo.
 
 `add_server_commands(sub)` registers them on the CLI's subparsers. `LocalDaemon`
 runs a daemon in a subprocess on a free loopback port (the demo and
@@ -24,7 +25,9 @@ from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DEFAULT_BIND, DaemonConfig, ServerError
+from rocforge_rt.server.front_process import FrontProcess, connect_address, front_command
 from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
+from rocforge_rt.server.security import API_KEY_ENV, check_http_listen
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
 REPLY_TIMEOUT_S = 60.0  # a generation's reply can wait for a long prefill
@@ -90,7 +93,33 @@ def _serve(args: argparse.Namespace) -> None:
         max_sessions_per_client=args.max_sessions_per_client,
         operator_key=args.operator_key,
     )
-    Daemon(config).run()
+    api_key = args.http_api_key or os.environ.get(API_KEY_ENV) or None
+    if args.http is not None:
+        check_http_listen(args.http, api_key, "--http-api-key")  # before the model loads
+    daemon = Daemon(config)
+    front = None
+    if args.http is not None:
+        front = FrontProcess(
+            front_command(_front_args(args, connect_address(daemon.endpoint))),
+            where=f"http://{args.http}",
+            env={**os.environ, API_KEY_ENV: api_key} if api_key else None,
+        )
+        front.start_when_ready(daemon.wait_ready)
+    try:
+        daemon.run()
+    finally:
+        if front is not None:
+            front.stop()
+
+
+def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:
+    """The HTTP front's options for `serve --http` (the API key goes in its environment)."""
+    front = ["--daemon", daemon, "--listen", args.http, "--exit-with-parent"]
+    if args.curve_keys:
+        front += ["--curve-keys", args.curve_keys]
+    if args.http_model_name:
+        front += ["--model-name", args.http_model_name]
+    return [*front, "--log-level", args.log_level, "--log-format", args.log_format]
 
 
 # --- client -----------------------------------------------------------------------------------
@@ -501,6 +530,22 @@ def add_server_commands(sub: Any) -> None:
         metavar="KEY",
         help="needed by stats --reset, trace and profile when bound beyond loopback"
         " (unset: refused there)",
+    )
+    serve.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API there (a child process, started once"
+        " the daemon is ready; beyond loopback it needs --http-api-key)",
+    )
+    serve.add_argument(
+        "--http-api-key",
+        metavar="KEY",
+        help=f"the HTTP API's key: `Authorization: Bearer KEY` (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--http-model-name",
+        metavar="NAME",
+        help="the model's id in the HTTP API (default: the GGUF file name's stem)",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.add_argument(

@@ -24,6 +24,7 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
+from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.server.jobs import CancelCause, Job
 from rocforge_rt.server.protocol import ErrorCode, error_reply, ok_reply, pack
 
@@ -53,10 +54,15 @@ def unpack_batch(message: bytes) -> list[list[bytes]]:
     return msgpack.unpackb(message)
 
 
-def _token_map(event: TokenEvent, logprobs: bool) -> dict[str, Any]:
+def _token_map(event: TokenEvent, logprobs: bool, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """A token of a token reply; with logprobs asked for, its alternatives and (a model with a
+    vocabulary) the bytes it and each alternative stand for: the HTTP front's token strings."""
     token: dict[str, Any] = {"token": event.token, "text": event.text, "logprob": event.logprob}
     if logprobs:
         token["top_logprobs"] = [list(pair) for pair in event.top_logprobs]
+        if tokenizer is not None:
+            token["bytes"] = tokenizer.token_bytes(event.token)
+            token["top_bytes"] = [tokenizer.token_bytes(t) for t, _ in event.top_logprobs]
     return token
 
 
@@ -71,12 +77,13 @@ def _token_reply(
     **extra: Any,
 ) -> dict[str, Any]:
     logprobs = session.sampler is not None and session.sampler.params.logprobs > 0
+    tokenizer = session.stream.tokenizer if session.stream is not None else None
     if job.token is not None:  # the first reply of the job that opened the session
         extra["token"], job.token = job.token, None
     return ok_reply(
         job.request.id,
         session=job.session_id,
-        tokens=[_token_map(e, logprobs) for e in events],
+        tokens=[_token_map(e, logprobs, tokenizer) for e in events],
         text=text,
         finish_reason=None if finish_reason is None else str(finish_reason),
         usage={

@@ -1,4 +1,5 @@
-"""CURVE keys for the daemon, and the rule that only loopback binds may go without them.
+"""CURVE keys for the daemon, and the rule that only loopback binds may go without them
+(the HTTP front's: without an API key).
 
 `rocforge keys DIR` writes, with pyzmq's zmq.auth:
   DIR/server.key, DIR/server.key_secret     the daemon's key pair (the secret stays there)
@@ -26,6 +27,7 @@ AUTHORIZED_DIR = "authorized_clients"
 LOCAL_TRANSPORTS = ("ipc", "inproc")
 TRANSPORTS = ("tcp", *LOCAL_TRANSPORTS)
 EPHEMERAL_PORTS = ("*", "0")  # bind only: the system picks a free port
+API_KEY_ENV = "ROCFORGE_API_KEY"  # the HTTP front's API key, when no option gives it
 
 
 class SecurityError(RocforgeError):
@@ -103,13 +105,47 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return True
     if transport != "tcp" or not rest:
         return False
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    return is_loopback_host(rest.rsplit(":", 1)[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address (127.0.0.0/8, ::1, [::1]) or localhost."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # '*', an interface name, or a host name
         return False
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """The host and port of an HTTP listen address, HOST:PORT or [IPv6]:PORT (port 0: any
+    free one); SecurityError when malformed."""
+    host, colon, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not re.fullmatch(r"[0-9]+", port) or int(port) > 65535:
+        raise SecurityError(
+            f"cannot listen on {listen!r}: expected HOST:PORT with PORT in 0-65535"
+            " (examples: 127.0.0.1:8000, [::1]:8000, 0.0.0.0:8000)"
+        )
+    return host, int(port)
+
+
+def check_http_listen(
+    listen: str, api_key: str | None, key_option: str = "--api-key"
+) -> tuple[str, int]:
+    """Refuse a malformed HTTP listen address, and one beyond loopback without an API key
+    (given by `key_option`); returns its host and port."""
+    host, port = parse_listen(listen)
+    if not api_key and not is_loopback_host(host):
+        raise SecurityError(
+            f"refusing to listen on {listen} without an API key: only loopback addresses"
+            " (127.0.0.1:PORT, [::1]:PORT, localhost:PORT) may serve HTTP without one; pass"
+            f" {key_option} KEY (or set {API_KEY_ENV}): clients then send"
+            " `Authorization: Bearer KEY`"
+        )
+    return host, port
 
 
 def check_bind(endpoint: str, keys_dir: Path | None) -> None:
@@ -153,11 +189,18 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, keys_dir: Path) -> T
     return auth
 
 
-def secure_client(socket: zmq.Socket, keys_dir: Path) -> None:
-    """Make `socket` a CURVE client with the key pair and server key found in `keys_dir`."""
+def client_keys(keys_dir: Path) -> tuple[bytes, bytes, bytes]:
+    """A CURVE client's public and secret keys and the server's public key, from `keys_dir`;
+    SecurityError naming a file missing or unreadable."""
     paths = key_paths(keys_dir)
     public, secret = _load(paths.client_secret, secret=True)
     server_public, _ = _load(paths.server_public, secret=False)
+    return public, secret, server_public
+
+
+def secure_client(socket: zmq.Socket, keys_dir: Path) -> None:
+    """Make `socket` a CURVE client with the key pair and server key found in `keys_dir`."""
+    public, secret, server_public = client_keys(keys_dir)
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_serverkey = server_public

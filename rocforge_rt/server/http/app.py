@@ -1,0 +1,370 @@
+"""The Starlette app: the OpenAI routes, `/health`, server-sent events, client disconnects.
+
+- `POST /v1/chat/completions`: a `generate` of `messages` (the daemon's chat template
+  renders them);
+- `POST /v1/completions`: a `generate` of `prompt` (text, or token ids);
+- `GET /v1/models`, `GET /v1/models/{id}`: the daemon's model (`info`), named by
+  `--model-name` or its GGUF file name's stem;
+- `GET /health`: 200 when the daemon is ready, 503 otherwise (no API key needed).
+
+A generation waits for its first reply (its first token, or the daemon's refusal) before
+the response starts, so a refusal (busy, too long, not ready) gets its own status even
+when streaming. Then a streamed one is sent as server-sent events (`data: {chunk}` lines,
+`data: [DONE]` last; an error after the first token is one `data: {"error": ...}` event,
+which the OpenAI SDK raises), and one that is not is collected into one object.
+
+A client that goes away (its connection closes) while its generation runs has it aborted
+on the daemon by request id, which ends it within one step: `EventStream` listens for the
+disconnect while it streams, and a response that is not streamed races its collection
+against it.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rocforge_rt.server.http.daemon_link import (
+    REPLY_TIMEOUT_S,
+    DaemonError,
+    DaemonLink,
+    DaemonUnavailable,
+    Stream,
+)
+from rocforge_rt.server.http.errors import ApiError, bad_field, from_daemon, unavailable
+from rocforge_rt.server.http.middleware import (
+    CLIENT_GONE,
+    ApiKeyCheck,
+    Outcome,
+    RequestLog,
+    outcome,
+)
+from rocforge_rt.server.http.openai_replies import ChatShaper, CompletionShaper, Shaper
+from rocforge_rt.server.http.openai_requests import (
+    Generation,
+    chat_request,
+    completion_request,
+)
+
+log = logging.getLogger("rocforge.http")
+
+MAX_BODY_BYTES = 8 << 20  # a request body; the daemon's own bound (--max-request-bytes) follows
+INFO_TIMEOUT_S = 5.0  # `info` and `health` are answered by the daemon's I/O thread at once
+HEALTH_TIMEOUT_S = 2.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    daemon: str  # the daemon's ZeroMQ endpoint
+    api_key: str | None = None  # /v1/* needs `Authorization: Bearer KEY` when set
+    curve_keys: Path | None = None  # client.key_secret and server.key, for a CURVE daemon
+    model_name: str | None = None  # the model's id (default: the GGUF file name's stem)
+    reply_timeout_s: float = REPLY_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The daemon's model as this front names it, from `info`."""
+
+    id: str
+    created: int
+    max_new_tokens: int
+
+    def entry(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "rocforge"}
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection before its response."""
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return (
+        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return once the client has gone (call after the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or ClientGone (and `work` cancelled) if the client goes first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # a no-op once it is done
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop when the client disconnects, whatever the ASGI server's
+    spec version; `on_close` runs at the end however it came (the generation's stream is
+    closed: aborted if it has not ended, even if the events never began)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(events, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the connection broke mid-send
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
+class Front:
+    """The routes' shared state: the daemon link and what it says about the model."""
+
+    def __init__(self, config: FrontConfig) -> None:
+        self.config = config
+        self.link = DaemonLink(
+            config.daemon, curve_keys=config.curve_keys, reply_timeout_s=config.reply_timeout_s
+        )
+        self._card: ModelCard | None = None
+        self._card_generation = -1
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        await self.link.start()
+        log.info("HTTP front for the daemon at %s", self.config.daemon)
+        try:
+            yield
+        finally:
+            await self.link.close()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", _handler(self.health), methods=["GET"]),
+            Route("/v1/models", _handler(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", _handler(self.model), methods=["GET"]),
+            Route("/v1/chat/completions", _handler(self.chat), methods=["POST"]),
+            Route("/v1/completions", _handler(self.completions), methods=["POST"]),
+            # the place of one more route (GET /metrics) when the daemon has a metrics op
+        ]
+
+    # --- the model ----------------------------------------------------------------------------
+    async def card(self) -> ModelCard:
+        """The daemon's model, asked once a connection (503 when it cannot be asked)."""
+        generation = self.link.generation
+        if self._card is not None and self._card_generation == generation:
+            return self._card
+        try:
+            info = await self.link.call("info", timeout=INFO_TIMEOUT_S)
+        except DaemonUnavailable as exc:
+            raise unavailable(f"the daemon is unavailable: {exc}") from None
+        except DaemonError as exc:
+            raise from_daemon(exc.code, exc.message) from None
+        name = self.config.model_name or Path(info["model"]["path"]).stem
+        self._card = ModelCard(name, int(time.time()), info["limits"]["max_new_tokens"])
+        self._card_generation = generation
+        return self._card
+
+    async def models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [(await self.card()).entry()]})
+
+    async def model(self, request: Request) -> Response:
+        card = await self.card()
+        self._check_model(request.path_params["model"], card, param=None)
+        return JSONResponse(card.entry())
+
+    @staticmethod
+    def _check_model(model: str, card: ModelCard, param: str | None = "model") -> None:
+        if model != card.id:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist: this server serves {card.id!r}",
+                param=param,
+                code="model_not_found",
+            )
+
+    # --- health -------------------------------------------------------------------------------
+    async def health(self, _request: Request) -> Response:
+        try:
+            health = await self.link.call("health", timeout=HEALTH_TIMEOUT_S)
+        except (DaemonUnavailable, DaemonError) as exc:
+            return JSONResponse({"status": "unavailable", "message": str(exc)}, status_code=503)
+        counts = ("in_flight", "sessions", "slots_free", "uptime_s")
+        body = {"status": health["state"], "daemon": {k: health.get(k) for k in counts}}
+        return JSONResponse(body, status_code=200 if health["ready"] else 503)
+
+    # --- generations --------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat_request, ChatShaper)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, completion_request, CompletionShaper)
+
+    async def _generate(
+        self,
+        request: Request,
+        parse: Callable[[Any], Generation],
+        shaper_type: type[Shaper],
+    ) -> Response:
+        record = outcome(request.scope)
+        generation = parse(await _json_body(request))
+        record.stream = generation.stream
+        card = await self.card()
+        self._check_model(generation.model, card)
+        fields = generation.generate_fields(card.max_new_tokens)
+        shaper = shaper_type(generation, card.id)
+        stream = self.link.stream("generate", **fields)
+        try:
+            if generation.stream:
+                first = await _unless_disconnected(request, stream.next())
+                record.note_reply(first)
+                events = self._events(shaper, stream, first, record)
+                response = EventStream(
+                    events, on_close=partial(_close, stream, record), headers=SSE_HEADERS
+                )
+                stream = None  # the event stream closes it
+                return response
+            await _unless_disconnected(request, self._collect(shaper, stream, record))
+            return JSONResponse(shaper.whole())
+        except DaemonError as exc:
+            raise from_daemon(exc.code, exc.message, generation.prompt_field) from None
+        finally:
+            if stream is not None:
+                stream.close()
+
+    @staticmethod
+    async def _collect(shaper: Shaper, stream: Stream, record: Outcome) -> None:
+        while not stream.done:
+            reply = await stream.next()
+            record.note_reply(reply)
+            shaper.add(reply)
+
+    @staticmethod
+    async def _events(
+        shaper: Shaper, stream: Stream, first: dict[str, Any], record: Outcome
+    ) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed generation whose first reply has come (EventStream
+        closes `stream` when they end, however they end)."""
+        try:
+            for chunk in shaper.opening_chunks():
+                yield _sse(chunk)
+            reply = first
+            while True:
+                for chunk in shaper.chunks(reply):
+                    yield _sse(chunk)
+                if stream.done:
+                    break
+                reply = await stream.next()
+                record.note_reply(reply)
+        except DaemonError as exc:
+            record.error = exc.code
+            yield _sse(from_daemon(exc.code, exc.message).body())
+        except DaemonUnavailable as exc:
+            record.error = "daemon_unavailable"
+            yield _sse(unavailable(f"the daemon is unavailable: {exc}").body())
+        yield DONE_EVENT
+
+
+def _close(stream: Stream, record: Outcome) -> None:
+    """The end of a streamed response: the generation is aborted if it has not ended, and a
+    response that ended before its last reply or its error lost its client."""
+    stream.close()
+    record.client_gone = record.client_gone or (
+        record.finish_reason is None and record.error is None
+    )
+
+
+def _handler(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
+    """An endpoint whose refusals are OpenAI-shaped errors."""
+
+    async def handle(request: Request) -> Response:
+        record = outcome(request.scope)
+        try:
+            return await endpoint(request)
+        except ApiError as error:
+            record.error = error.code or error.type
+            return _error_response(error)
+        except DaemonUnavailable as exc:
+            record.error = "daemon_unavailable"
+            return _error_response(unavailable(f"the daemon is unavailable: {exc}"))
+        except ClientGone:
+            record.client_gone = True
+            return Response(status_code=CLIENT_GONE)
+        except Exception:
+            log.exception("the HTTP front failed on %s %s", request.method, request.url.path)
+            record.error = "internal"
+            error = ApiError(500, "the server failed on this request", "server_error")
+            return _error_response(error)
+
+    return handle
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON body (400 when it is not JSON, 413 when over MAX_BODY_BYTES)."""
+    too_large = ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_field(None, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, method not allowed) in OpenAI's shape."""
+    status = getattr(exc, "status_code", 500)
+    return _error_response(ApiError(status, str(getattr(exc, "detail", exc))))
+
+
+def create_app(config: FrontConfig) -> Starlette:
+    front = Front(config)
+    return Starlette(
+        routes=front.routes(),
+        middleware=[Middleware(RequestLog), Middleware(ApiKeyCheck, api_key=config.api_key)],
+        exception_handlers={HTTPException: _http_error},
+        lifespan=front.lifespan,
+    )

@@ -1,0 +1,139 @@
+"""`rocforge http` (and `python -m rocforge_rt.server.http`): run the HTTP front.
+
+    rocforge http --daemon tcp://127.0.0.1:5555 --listen 127.0.0.1:8000 [--api-key KEY]
+                  [--curve-keys DIR] [--model-name NAME] [--log-level L] [--log-format F]
+
+The API key may come from the environment (ROCFORGE_API_KEY) instead, where `ps` does not
+show it; `rocforge serve --http` hands its key to the front that way. Listening beyond
+loopback without a key is refused before anything starts. `--exit-with-parent` (what
+`serve --http` passes) stops the front when the process that started it is gone, so a
+daemon killed without a chance to stop its front leaves none behind.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rocforge_rt.errors import RocforgeError
+from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
+from rocforge_rt.server.security import API_KEY_ENV, check_http_listen, client_keys
+
+log = logging.getLogger("rocforge.http")
+
+DEFAULT_DAEMON = "tcp://127.0.0.1:5555"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+SHUTDOWN_GRACE_S = 5  # streams still open at SIGTERM get this long to end
+PARENT_POLL_S = 0.5
+
+
+def add_http_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--daemon", default=DEFAULT_DAEMON, help=f"the daemon's ZeroMQ address ({DEFAULT_DAEMON})"
+    )
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        help=f"HOST:PORT to serve HTTP on ({DEFAULT_LISTEN}; beyond loopback needs --api-key)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"/v1/* requests need `Authorization: Bearer KEY` (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--curve-keys", help="folder with client.key_secret and server.key (a CURVE daemon)"
+    )
+    parser.add_argument(
+        "--model-name", help="the model's id in the API (default: the GGUF file name's stem)"
+    )
+    parser.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the parent process is gone"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS)
+
+
+def add_http_command(sub: Any) -> None:
+    """Register `rocforge http` on the CLI's subparsers."""
+    http = sub.add_parser(
+        "http", help="serve the OpenAI-compatible HTTP API in front of a running daemon"
+    )
+    add_http_options(http)
+    http.set_defaults(func=run_http)
+
+
+def run_http(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; RocforgeError (SecurityError) for a listen refused."""
+    import uvicorn
+
+    from rocforge_rt.server.http.app import FrontConfig, create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    host, port = check_http_listen(args.listen, api_key)
+    curve_keys = Path(args.curve_keys) if args.curve_keys else None
+    if curve_keys is not None:
+        client_keys(curve_keys)  # a missing or unreadable key file, named before serving
+    configure_logging(args.log_level, args.log_format)
+    config = FrontConfig(
+        daemon=args.daemon, api_key=api_key, curve_keys=curve_keys, model_name=args.model_name
+    )
+    try:
+        app = create_app(config)
+    except ValueError as exc:  # a malformed daemon address
+        raise RocforgeError(str(exc)) from None
+    server = uvicorn.Server(server_config(app, host, port))
+    asyncio.run(_serve(server, args.exit_with_parent))
+    return 0 if server.started else 1
+
+
+def server_config(app: Any, host: str, port: int) -> Any:
+    """uvicorn's settings: our logging (no access log of its own: RequestLog writes it)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        server_header=False,
+    )
+
+
+async def _serve(server: Any, exit_with_parent: bool) -> None:
+    watch = asyncio.create_task(_watch_parent(server)) if exit_with_parent else None
+    try:
+        await server.serve()
+    finally:
+        if watch is not None:
+            watch.cancel()
+
+
+async def _watch_parent(server: Any) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the process that started this front (pid %d) is gone: stopping", parent)
+    server.should_exit = True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rocforge_rt.server.http", description=__doc__)
+    add_http_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_http(args)
+    except RocforgeError as exc:
+        print(f"rocforge http: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

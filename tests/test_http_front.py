@@ -1,0 +1,476 @@
+"""The OpenAI-compatible HTTP front, as the OpenAI SDK (and raw HTTP) sees it.
+
+One CPU daemon on the default model serves the module, with a front on a free loopback
+port in a thread of this process (the deployment runs it as a process of its own: the
+last tests start it so). Generations are a few tokens long, and most are text completions
+of a short prompt: a chat prompt costs a prefill of ~24 tokens on the CPU backend.
+"""
+
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from test_daemon import spawn_serve
+
+from clients.rocforge_client import connect
+from rocforge_rt.cli import main
+from rocforge_rt.server.cli_commands import free_loopback_port
+from rocforge_rt.server.config import DaemonConfig
+from rocforge_rt.server.daemon import Daemon
+from rocforge_rt.server.front_process import FrontProcess, connect_address
+from rocforge_rt.server.http.app import FrontConfig, create_app
+from rocforge_rt.server.http.command import server_config
+from rocforge_rt.server.http.errors import ApiError
+from rocforge_rt.server.http.openai_requests import chat_request, completion_request
+
+CHAT = [  # a short system message: the template's own makes a prompt of 37 tokens, this 24
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+PROMPT = "The capital of France is"
+KEY = "sk-test-0123456789"
+MAX_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model: Path) -> Iterator[Daemon]:
+    config = DaemonConfig(
+        model=default_model,
+        backend="cpu",
+        bind="tcp://127.0.0.1:*",
+        ctx_size=256,
+        max_sessions=2,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    with Daemon(config) as d:
+        yield d
+
+
+@contextmanager
+def running_front(config: FrontConfig) -> Iterator[str]:
+    """A front in a thread on a free loopback port; its base URL."""
+    server = uvicorn.Server(server_config(create_app(config), "127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, name="test-http-front", daemon=True)
+    thread.start()
+    limit = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < limit, "the front did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def url(daemon: Daemon) -> Iterator[str]:
+    with running_front(FrontConfig(daemon=daemon.endpoint)) as base:
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(default_model: Path) -> str:
+    return default_model.stem
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    limit = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < limit, "condition not met in time"
+        time.sleep(0.02)
+
+
+def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    timeout = kwargs.pop("timeout", 120)
+    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=timeout, **kwargs)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The OpenAI-shaped error of a response: exactly message, type, param, code."""
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def wait_until_idle(daemon: Daemon, timeout: float = 5.0) -> None:
+    """The daemon has nothing in flight and no session open (its `health` counts)."""
+    with connect(daemon.endpoint, timeout=5) as client:
+        wait_for(lambda: _idle(client.health()), timeout)
+
+
+def _idle(health: dict[str, Any]) -> bool:
+    return health["in_flight"] == 0 and health["sessions"] == 0
+
+
+# --- requests, checked without a daemon ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"messages": CHAT}, "model"),
+        ({"model": "m", "messages": CHAT, "n": 2}, "n"),
+        ({"model": "m", "messages": CHAT, "temperature": 3}, "temperature"),
+        ({"model": "m", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "m", "messages": CHAT, "stop": ["a"] * 17}, "stop"),
+        ({"model": "m", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "messages": CHAT, "seed": 1.5}, "seed"),
+        ({"model": "m", "messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"model": "m", "messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"model": "m", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_a_bad_chat_field_is_refused_by_name(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        chat_request(body)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_a_chat_request_becomes_one_generate_with_openais_defaults() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}]
+    request = chat_request(
+        {
+            "model": "m",
+            "messages": messages,
+            "max_completion_tokens": 5,
+            "stop": "\n",
+            "seed": -1,
+            "presence_penalty": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1,
+            "user": "someone",
+            "some_future_field": {"x": 1},  # unknown fields are ignored
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+        }
+    )  # fmt: skip
+    assert request.fields["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+    ]
+    fields = request.generate_fields(max_new_tokens=32)
+    assert fields["temperature"] == 1.0 and fields["max_tokens"] == 5
+    with pytest.raises(ApiError, match="'max_completion_tokens' 5 is over"):
+        request.generate_fields(max_new_tokens=4)
+    assert request.fields["stop"] == ["\n"] and request.fields["seed"] == (1 << 64) - 1
+    assert request.stream and request.include_usage
+    assert request.logprobs == 0 and request.fields["logprobs"] == 1  # 1 brings token bytes
+
+
+def test_a_completion_takes_a_string_or_token_ids_and_16_tokens_by_default() -> None:
+    assert completion_request({"model": "m", "prompt": "hi"}).fields["prompt"] == "hi"
+    assert completion_request({"model": "m", "prompt": [[1, 2]]}).fields["tokens"] == [1, 2]
+    request = completion_request({"model": "m", "prompt": "hi"})
+    assert request.generate_fields(max_new_tokens=64)["max_tokens"] == 16
+    assert request.generate_fields(max_new_tokens=8)["max_tokens"] == 8  # a default is cut
+    for prompt in (["a", "b"], [], [1, -2], None):
+        with pytest.raises(ApiError, match="prompt"):
+            completion_request({"model": "m", "prompt": prompt})
+    with pytest.raises(ApiError, match="echo"):
+        completion_request({"model": "m", "prompt": "hi", "echo": True})
+
+
+# --- the SDK against a daemon ----------------------------------------------------------------
+def test_models_lists_the_daemons_model_by_its_file_name(sdk: openai.OpenAI, model: str) -> None:
+    (entry,) = sdk.models.list().data
+    assert (entry.id, entry.object, entry.owned_by) == (model, "model", "rocforge")
+    assert sdk.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("gpt-4o")
+
+
+def test_a_chat_completion_answers_in_openais_shape(sdk: openai.OpenAI, model: str) -> None:
+    reply = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0)
+    assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion"
+    assert reply.model == model and reply.created <= time.time()
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and choice.logprobs is None
+    assert reply.usage.completion_tokens == 4 and reply.usage.prompt_tokens > 10
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 4
+
+
+def test_streamed_chat_text_is_the_zeromq_clients_and_usage_comes_last(
+    sdk: openai.OpenAI, model: str, daemon: Daemon
+) -> None:
+    sampling = {"temperature": 0.9, "seed": 1234, "max_tokens": 6}
+    with connect(daemon.endpoint, timeout=120) as client:
+        expected = "".join(r.text for r in client.generate(messages=CHAT, **sampling))
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
+        )
+    )
+    *content, last = chunks
+    assert content[0].choices[0].delta.role == "assistant"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len(
+        {c.id for c in chunks}
+    ) == 1
+    assert "".join(c.choices[0].delta.content or "" for c in content) == expected
+    assert content[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in content)
+    assert last.choices == [] and last.usage.completion_tokens == 6
+
+
+def test_chat_logprobs_give_each_token_and_its_alternatives(sdk: openai.OpenAI, model: str) -> None:
+    reply = sdk.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2
+    )
+    tokens = reply.choices[0].logprobs.content
+    assert len(tokens) == 2
+    assert "".join(t.token for t in tokens) == reply.choices[0].message.content
+    for t in tokens:
+        assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].token == t.token  # greedy: the best one
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+
+
+def test_a_text_completion_streams_what_it_answers_whole(sdk: openai.OpenAI, model: str) -> None:
+    whole = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 4
+    chunks = list(
+        sdk.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    )
+    assert {c.object for c in chunks} == {"text_completion"}
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_completion_of_token_ids(sdk: openai.OpenAI, model: str) -> None:
+    reply = sdk.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=2)
+    assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == 2
+
+
+def test_completion_logprobs_fill_the_legacy_columns(sdk: openai.OpenAI, model: str) -> None:
+    reply = sdk.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2
+    )
+    (choice,) = reply.choices
+    columns = choice.logprobs
+    assert "".join(columns.tokens) == choice.text
+    assert columns.text_offset == [0, len(columns.tokens[0]), len("".join(columns.tokens[:2]))]
+    assert all(lp <= 0 for lp in columns.token_logprobs)
+    for token, top in zip(columns.tokens, columns.top_logprobs, strict=True):
+        assert len(top) == 2 and token in top
+
+
+def test_a_stop_string_ends_the_text_before_it(sdk: openai.OpenAI, model: str) -> None:
+    text = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    words = text.choices[0].text.split()
+    stop = words[1]
+    cut = sdk.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, stop=[stop, "never"]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text.choices[0].text[: text.choices[0].text.index(stop)]
+
+
+# --- errors, over raw HTTP -------------------------------------------------------------------
+def test_malformed_json_is_a_400(url: str) -> None:
+    response = post(url, "/v1/chat/completions", b'{"model": "m", "messages": [')
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error" and "not valid JSON" in error["message"]
+
+
+def test_n_other_than_1_is_a_400_naming_n(url: str, model: str) -> None:
+    response = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, "n": 2})
+    assert response.status_code == 400 and error_of(response)["param"] == "n"
+
+
+def test_an_unknown_model_is_a_404(url: str) -> None:
+    response = post(url, "/v1/completions", {"model": "gpt-4o", "prompt": "hi"})
+    assert response.status_code == 404
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+
+
+def test_penalties_are_refused_unless_neutral(url: str, model: str) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    assert post(url, "/v1/completions", {**body, **neutral, "min_p": 0}).status_code == 200
+    response = post(url, "/v1/completions", {**body, "presence_penalty": 0.5})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == "presence_penalty" and "not supported yet" in error["message"]
+
+
+def test_a_prompt_too_long_and_max_tokens_over_the_limit_are_400s(url: str, model: str) -> None:
+    response = post(url, "/v1/completions", {"model": model, "prompt": "word " * 400})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "prompt is too long" in error["message"]
+    body = {"model": model, "messages": CHAT, "max_tokens": MAX_NEW_TOKENS + 1}
+    response = post(url, "/v1/chat/completions", body)
+    assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
+
+
+def test_unknown_routes_answer_in_openais_shape(url: str) -> None:
+    response = httpx.get(f"{url}/v1/embeddings")
+    assert response.status_code in (404, 405) and error_of(response)["message"]
+
+
+def test_the_api_key_guards_v1_but_not_health(daemon: Daemon, model: str) -> None:
+    with running_front(FrontConfig(daemon=daemon.endpoint, api_key=KEY)) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+        missing = httpx.get(f"{base}/v1/models")
+        wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+        for response in (missing, wrong):
+            assert response.status_code == 401
+            assert error_of(response)["code"] == "invalid_api_key"
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+        assert sdk.models.list().data[0].id == model
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_a_busy_daemon_is_a_429(url: str, model: str, daemon: Daemon) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS, "stream": True}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        holding = []
+        try:
+            for _ in range(2):  # every session slot (--max-sessions 2)
+                stream = http.stream("POST", "/v1/completions", json=body)
+                response = stream.__enter__()
+                holding.append(stream)
+                assert response.status_code == 200
+            refused = http.post("/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 429
+            error = error_of(refused)
+            assert error["code"] == "busy" and "busy" in error["message"]
+        finally:
+            for stream in holding:
+                stream.__exit__(None, None, None)
+    wait_until_idle(daemon)
+
+
+def test_a_front_without_its_daemon_answers_503(model: str) -> None:
+    with running_front(FrontConfig(daemon=f"tcp://127.0.0.1:{free_loopback_port()}")) as base:
+        assert httpx.get(f"{base}/health").status_code == 503
+        for response in (
+            httpx.get(f"{base}/v1/models"),
+            post(base, "/v1/completions", {"model": model, "prompt": "hi"}),
+        ):
+            assert response.status_code == 503
+            assert error_of(response)["code"] == "daemon_unavailable"
+
+
+# --- clients that leave ----------------------------------------------------------------------
+def test_a_client_that_leaves_mid_stream_has_its_generation_aborted(
+    url: str, model: str, daemon: Daemon
+) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS, "stream": True}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            first = next(response.iter_lines())
+            assert first.startswith("data: {")
+        left = time.monotonic()
+    wait_until_idle(daemon)
+    assert time.monotonic() - left < 5
+    with connect(daemon.endpoint) as client:
+        assert client.stats(records=1)["records"][0]["finish_reason"] == "abort"
+
+
+def test_a_client_that_leaves_before_a_whole_reply_has_it_aborted(
+    url: str, model: str, daemon: Daemon
+) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS}
+    with pytest.raises(httpx.ReadTimeout):
+        post(url, "/v1/completions", body, timeout=1.0)
+    wait_until_idle(daemon)
+    with connect(daemon.endpoint) as client:
+        assert client.stats(records=1)["records"][0]["finish_reason"] == "abort"
+
+
+# --- the log ---------------------------------------------------------------------------------
+def test_each_request_logs_a_line(url: str, model: str, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="rocforge.http")
+    post(url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2})
+    post(url, "/v1/completions", {"model": "nope", "prompt": PROMPT})
+    lines = [r.fields for r in caplog.records if "status" in getattr(r, "fields", {})]
+    done, refused = lines[-2:]
+    assert (done["method"], done["path"], done["status"]) == ("POST", "/v1/completions", 200)
+    assert done["completion_tokens"] == 2 and done["prompt_tokens"] > 0
+    assert done["finish_reason"] == "length" and done["duration_ms"] > 0
+    assert (refused["status"], refused["error"]) == (404, "model_not_found")
+
+
+# --- the commands ----------------------------------------------------------------------------
+def test_listening_beyond_loopback_needs_an_api_key(tiny_model: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("ROCFORGE_API_KEY", raising=False)
+    assert main(["http", "--listen", "0.0.0.0:8000"]) == 2
+    assert "refusing to listen on 0.0.0.0:8000 without an API key" in capsys.readouterr().err
+    argv = ["serve", "--model", str(tiny_model), "--backend", "cpu", "--http", "0.0.0.0:8000"]
+    assert main(argv) == 2  # before the model loads
+    assert "pass --http-api-key KEY" in capsys.readouterr().err
+    assert connect_address("tcp://0.0.0.0:5555") == "tcp://127.0.0.1:5555"
+
+
+def test_serve_with_http_starts_its_front_and_stops_it(tiny_model: Path) -> None:
+    port = free_loopback_port()
+    process, _addr = spawn_serve(
+        ["-m", "rocforge_rt.cli"], tiny_model, "--http", f"127.0.0.1:{port}", ctx_size=64
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _status(f"{base}/health") == 200, timeout=60)
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == tiny_model.stem
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        err = process.stderr.read()
+        assert "HTTP front started" in err and "HTTP front stopped" in err
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass  # nothing listens there any more
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_front_that_dies_is_logged_and_the_daemon_goes_on(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="rocforge.server")
+    front = FrontProcess([sys.executable, "-c", "raise SystemExit(3)"], where="test")
+    front.start_when_ready(lambda _timeout: True)
+    wait_for(lambda: "exited with code 3" in caplog.text)
+    assert front.stop() == 3
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
