@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import spawn_serve
 
 from clients.rocforge_client import connect
@@ -428,6 +429,40 @@ def test_each_request_logs_a_line(url: str, model: str, caplog) -> None:
     assert done["completion_tokens"] == 2 and done["prompt_tokens"] > 0
     assert done["finish_reason"] == "length" and done["duration_ms"] > 0
     assert (refused["status"], refused["error"]) == (404, "model_not_found")
+
+
+# --- metrics ---------------------------------------------------------------------------------
+def samples_of(text: str) -> dict[str, float]:
+    return {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_give_the_daemons_then_the_fronts_own_without_a_key(daemon: Daemon, model: str):
+    with running_front(FrontConfig(daemon=daemon.endpoint, api_key=KEY)) as base:
+        auth = {"authorization": f"Bearer {KEY}"}
+        post(base, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2},
+             headers=auth)  # fmt: skip
+        response = httpx.get(f"{base}/metrics")  # no key, as /health
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = samples_of(response.text)
+    assert samples["rocforge:generation_tokens_total{}"] >= 2  # the daemon's
+    assert samples["rocforge:daemon_up{}"] == 1
+    done = {"method": "POST", "route": "/v1/completions", "status": "200"}
+    assert samples["rocforge:http_requests_total" + json.dumps(done, sort_keys=True)] == 1
+
+
+def test_metrics_without_a_daemon_are_the_fronts_with_daemon_up_0() -> None:
+    port = free_loopback_port()  # nothing listens there
+    with running_front(FrontConfig(daemon=f"tcp://127.0.0.1:{port}")) as base:
+        httpx.get(f"{base}/v1/nowhere")
+        response = httpx.get(f"{base}/metrics")
+    samples = samples_of(response.text)
+    assert response.status_code == 200 and samples["rocforge:daemon_up{}"] == 0
+    other = {"method": "GET", "route": "other", "status": "404"}
+    assert samples["rocforge:http_requests_total" + json.dumps(other, sort_keys=True)] == 1
 
 
 # --- the commands ----------------------------------------------------------------------------

@@ -5,7 +5,9 @@
 - `POST /v1/completions`: a `generate` of `prompt` (text, or token ids);
 - `GET /v1/models`, `GET /v1/models/{id}`: the daemon's model (`info`), named by
   `--model-name` or its GGUF file name's stem;
-- `GET /health`: 200 when the daemon is ready, 503 otherwise (no API key needed).
+- `GET /health`: 200 when the daemon is ready, 503 otherwise (no API key needed);
+- `GET /metrics`: Prometheus' text format, the daemon's metrics (its `metrics` op) and
+  then the front's own (front_metrics.py); no API key needed, as `/health`.
 
 A generation waits for its first reply (its first token, or the daemon's refusal) before
 the response starts, so a refusal (busy, too long, not ready) gets its own status even
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -46,6 +49,7 @@ from rocforge_rt.server.http.daemon_link import (
     Stream,
 )
 from rocforge_rt.server.http.errors import ApiError, bad_field, from_daemon, unavailable
+from rocforge_rt.server.http.front_metrics import FrontMetrics
 from rocforge_rt.server.http.middleware import (
     CLIENT_GONE,
     ApiKeyCheck,
@@ -166,6 +170,7 @@ class Front:
         )
         self._card: ModelCard | None = None
         self._card_generation = -1
+        self.metrics = FrontMetrics(route.path for route in self.routes())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -183,7 +188,7 @@ class Front:
             Route("/v1/models/{model:path}", _handler(self.model), methods=["GET"]),
             Route("/v1/chat/completions", _handler(self.chat), methods=["POST"]),
             Route("/v1/completions", _handler(self.completions), methods=["POST"]),
-            # the place of one more route (GET /metrics) when the daemon has a metrics op
+            Route("/metrics", _handler(self.prometheus), methods=["GET"]),
         ]
 
     # --- the model ----------------------------------------------------------------------------
@@ -230,6 +235,19 @@ class Front:
         counts = ("in_flight", "sessions", "slots_free", "uptime_s")
         body = {"status": health["state"], "daemon": {k: health.get(k) for k in counts}}
         return JSONResponse(body, status_code=200 if health["ready"] else 503)
+
+    # --- metrics ------------------------------------------------------------------------------
+    async def prometheus(self, _request: Request) -> Response:
+        """The daemon's metrics, then the front's; the front's alone when the daemon is down."""
+        try:
+            daemon = (await self.link.call("metrics", timeout=HEALTH_TIMEOUT_S))["text"]
+            self.metrics.daemon_up.set(1)
+        except (DaemonUnavailable, DaemonError) as exc:
+            log.warning("metrics: the daemon did not answer: %s", exc)
+            daemon = ""
+            self.metrics.daemon_up.set(0)
+        text = daemon.encode() + self.metrics.exposition()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     # --- generations --------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -364,7 +382,10 @@ def create_app(config: FrontConfig) -> Starlette:
     front = Front(config)
     return Starlette(
         routes=front.routes(),
-        middleware=[Middleware(RequestLog), Middleware(ApiKeyCheck, api_key=config.api_key)],
+        middleware=[
+            Middleware(RequestLog, metrics=front.metrics),
+            Middleware(ApiKeyCheck, api_key=config.api_key),
+        ],
         exception_handlers={HTTPException: _http_error},
         lifespan=front.lifespan,
     )

@@ -1,8 +1,9 @@
 """A log line per HTTP request, and the API key check: the two ASGI middlewares of the app.
 
 `RequestLog` times each request from its arrival to the end of its response (a stream's
-last event) and writes one line through the project's logging (logs.py: text, or JSON
-with the fields below under `--log-format json`): method, path (never the query, the
+last event), counts it in the front's metrics (front_metrics.py) and writes one line
+through the project's logging (logs.py: text, or JSON with the fields below under
+`--log-format json`): method, path (never the query, the
 body or a header), status, duration, and what the handler noted in the request's
 `Outcome`: prompt and generated tokens, finish reason, the daemon's error code, whether it
 streamed, whether the client went away first.
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rocforge_rt.server.http.errors import ApiError
+from rocforge_rt.server.http.front_metrics import FrontMetrics
 
 log = logging.getLogger("rocforge.http")
 
@@ -52,10 +54,11 @@ def outcome(scope: dict[str, Any]) -> Outcome:
 
 
 class RequestLog:
-    """ASGI middleware: one log line per HTTP request."""
+    """ASGI middleware: one log line per HTTP request, and its count and duration."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, metrics: FrontMetrics) -> None:
         self.app = app
+        self._metrics = metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -75,14 +78,15 @@ class RequestLog:
             await self.app(scope, receive, send_noting_status)
         finally:
             duration_ms = (time.perf_counter() - started) * 1000.0
+            if record.client_gone:
+                status = CLIENT_GONE
+            self._metrics.observe(scope["method"], scope["path"], status, duration_ms / 1000.0)
             log_request(scope["method"], scope["path"], status, duration_ms, record)
 
 
 def log_request(method: str, path: str, status: int, duration_ms: float, record: Outcome) -> None:
     if not log.isEnabledFor(logging.INFO):
         return
-    if record.client_gone:
-        status = CLIENT_GONE
     fields: dict[str, Any] = {
         "method": method,
         "path": path,
