@@ -195,3 +195,23 @@ def test_llama_batched_bench_names_the_parallel_counts_it_skipped_for_lack_of_co
     with pytest.raises(LlamaBenchError, match=r"no result for 8, 64 parallel sequences"):
         llama_batched_bench(str(fake_batched_bench), "m.gguf", n_prompt=128, n_gen=128,
                             n_parallel=[1, 8, 64], n_ctx=256)  # fmt: skip
+
+
+def test_http_bench_times_the_same_streams_through_zeromq_and_the_front_in_turn(
+    default_model, tmp_path
+):
+    command = [sys.executable, str(ROOT / "scripts" / "bench_http.py"), "--spawn-daemon",
+               str(default_model), "--backend", "cpu", "--streams", "2", "--prompt-tokens", "4",
+               "--max-tokens", "4", "--rounds", "2", "--out", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (path,) = tmp_path.glob("bench_http-cpu-*.json")
+    ((run,),) = [json.loads(path.read_text())["runs"]]
+    assert run["streams"] == 2 and len(run["rounds"]["zeromq"]) == len(run["rounds"]["http"]) == 2
+    for name in ("zeromq", "http"):
+        assert all(r["completion_tokens"] >= 2 for r in run["rounds"][name])  # 2 streams x 1+
+        assert run[name]["itl_p50_ms"] > 0 and run[name]["decode_tokens_per_s"] > 0
+    assert run["ratios"]["itl_p50_ms"] == pytest.approx(
+        run["http"]["itl_p50_ms"] / run["zeromq"]["itl_p50_ms"])  # fmt: skip
+    assert path.with_suffix(".png").is_file() and "ZeroMQ -> HTTP" in result.stderr
