@@ -179,9 +179,9 @@ def test_unknown_pre_tokenizer_is_rejected_by_name(metadata: dict[str, Any]) -> 
         Tokenizer.from_metadata({**metadata, "tokenizer.ggml.pre": "no-such-pre"})
 
 
-def test_non_bpe_tokenizer_model_is_rejected_by_name(metadata: dict[str, Any]) -> None:
-    with pytest.raises(ModelFormatError, match="tokenizer.ggml.model.*'llama'"):
-        Tokenizer.from_metadata({**metadata, "tokenizer.ggml.model": "llama"})
+def test_unsupported_tokenizer_model_is_rejected_by_name(metadata: dict[str, Any]) -> None:
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.model.*found 't5'"):
+        Tokenizer.from_metadata({**metadata, "tokenizer.ggml.model": "t5"})
 
 
 def test_token_types_not_matching_the_vocabulary_are_rejected(metadata: dict[str, Any]) -> None:

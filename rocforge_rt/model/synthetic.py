@@ -7,10 +7,12 @@ tensor, so even the 8B shape streams to disk without quantizing anything. Scales
 give every weight matrix a standard deviation of 1/sqrt(n_in) and the embeddings
 one of 1/sqrt(n_embd): activations keep unit scale through the layers and the
 logits stay O(1). The files carry no vocabulary (tokenizer.ggml.model = "none"),
-which llama.cpp accepts for benchmarks.
+which llama.cpp accepts for benchmarks, unless one is given (the tests' SentencePiece
+model, scripts/make_spm_test_data.py).
 """
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -138,14 +140,30 @@ def _tensors(s: SyntheticShape, seed: int) -> list[TensorOut]:
     ]
 
 
-def write_synthetic_model(shape: str, out: Path, *, seed: int = 0, progress: bool = True) -> Path:
-    """Write a random-weight Q4_0 GGUF of a named shape (see SHAPES) atomically to `out`."""
+def write_synthetic_model(
+    shape: str,
+    out: Path,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    vocabulary: Mapping[str, GGUFValue] | None = None,
+) -> Path:
+    """Write a random-weight Q4_0 GGUF of a named shape (see SHAPES) atomically to `out`.
+
+    `vocabulary`: `tokenizer.*` keys to carry instead of "none"; the shape's vocabulary
+    size becomes the number of its `tokenizer.ggml.tokens`."""
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
     spec = SHAPES[shape]
+    metadata = _metadata(shape, spec)
+    if vocabulary is not None:
+        spec = replace(spec, n_vocab=len(vocabulary["tokenizer.ggml.tokens"].value))
+        metadata = _metadata(shape, spec)
+        del metadata["tokenizer.ggml.model"]
+        metadata.update(vocabulary)
     return write_gguf(
         Path(out),
-        _metadata(shape, spec),
+        metadata,
         _tensors(spec, seed),
         progress=progress,
         desc=f"synthetic {shape}",

@@ -1,9 +1,18 @@
 """The tokenizer of a GGUF file, built from its own metadata, matching llama.cpp's ids.
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model` = "gpt2") are supported,
-with the pre-tokenizers below. Each reproduces the regex split llama.cpp uses for
-the `tokenizer.ggml.pre` names listed with it (llama-vocab.cpp), expressed with the
-HF `tokenizers` library, which then does the BPE merges exactly as llama.cpp does.
+Two vocabulary kinds (`tokenizer.ggml.model`) are supported; any other (e.g. "bert",
+"t5", "rwkv", "plamo2") is refused by name:
+
+- "gpt2", byte-level BPE (SmolLM2, Llama 3), with the pre-tokenizers below. Each
+  reproduces the regex split llama.cpp uses for the `tokenizer.ggml.pre` names listed
+  with it (llama-vocab.cpp), expressed with the HF `tokenizers` library, which then does
+  the BPE merges exactly as llama.cpp does, with the GIL released.
+- "llama", SentencePiece (Llama 2, TinyLlama, Mistral): tokens, scores and types with
+  byte fallback, encoded by `spm.SpmEncoder`, which runs llama.cpp's merge order itself
+  (spm.py says why no HF `tokenizers` model reproduces it).
+
+One class, `Tokenizer`, serves both: encode, decode, streaming decode, token texts,
+special tokens and the chat template.
 """
 
 from __future__ import annotations
@@ -12,16 +21,23 @@ import codecs
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model.chat import render_chat
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+from rocforge_rt.model.spm import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    SpmEncoder,
+    check_scores,
+    spm_piece,
+)
 
 # Tokens that end a generation by name; llama.cpp also forces them to be control tokens.
 EOG_TOKEN_NAMES = frozenset(
@@ -147,8 +163,8 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:cut], merge[cut + 1 :]
 
 
-class Tokenizer:
-    """Byte-level BPE tokenizer of a GGUF, reproducing llama.cpp's tokenization."""
+class _ByteLevelBpe:
+    """Byte-level BPE encoding through the HF `tokenizers` library."""
 
     def __init__(
         self,
@@ -156,33 +172,15 @@ class Tokenizer:
         token_types: Sequence[int],
         merges: Sequence[str],
         family: _PreTokenizerFamily,
-        *,
-        bos_id: int | None,
-        eos_id: int | None,
-        add_bos: bool,
-        eog_ids: frozenset[int],
-        chat_template: str | None,
     ) -> None:
-        self.n_vocab = len(tokens)
-        self.bos_id = bos_id
-        self.eos_id = eos_id
-        self.add_bos = add_bos
-        self.eog_ids = eog_ids
-        self.chat_template = chat_template
         self._tokens = list(tokens)
         self._types = list(token_types)
         self._family = family
-        self._pieces = [
-            self._piece(text, kind) for text, kind in zip(tokens, token_types, strict=True)
-        ]
-        self._hidden_when_skipping = frozenset(
-            i for i, kind in enumerate(token_types) if kind in (CONTROL, UNKNOWN)
-        )
         vocab = {text: i for i, text in enumerate(tokens)}
         # A character missing from the vocabulary must stay a symbol that merges with
         # nothing and is then dropped, as in llama.cpp; HF would drop it before merging.
         # It becomes an "unknown" placeholder one past the vocabulary, removed in encode().
-        self._missing_id = self.n_vocab
+        self._missing_id = len(tokens)
         placeholder = "\x00missing"
         while placeholder in vocab:
             placeholder += "\x00"
@@ -200,7 +198,7 @@ class Tokenizer:
         self._hf = self._build_hf(model)
 
     @staticmethod
-    def _piece(text: str, kind: int) -> bytes:
+    def piece(text: str, kind: int) -> bytes:
         # llama.cpp's token_to_piece for BPE: normal tokens are byte-level text, special
         # and user-defined tokens print their text, anything else prints nothing.
         if kind == NORMAL:
@@ -229,88 +227,169 @@ class Tokenizer:
         """A twin that treats control tokens in text as plain text (built on first use)."""
         return self._build_hf(self._hf.model, parse_special=False)
 
+    def encode(self, text: str, *, parse_special: bool) -> list[int]:
+        # The library's batch call releases the GIL (its single-text call holds it).
+        hf = self._hf if parse_special else self._hf_plain
+        (encoding,) = hf.encode_batch([text], add_special_tokens=False)
+        return [i for i in encoding.ids if i != self._missing_id]
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, *, parse_special: bool) -> list[int]: ...
+
+
+def _token_list(metadata: Mapping[str, Any]) -> list[str]:
+    tokens = _require(metadata, "tokenizer.ggml.tokens", list, "a list of strings")
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelFormatError(
+            "GGUF key 'tokenizer.ggml.tokens': expected a non-empty list of strings"
+        )
+    # llama.cpp gives an empty token a unique placeholder text.
+    return [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+
+def _token_types(metadata: Mapping[str, Any], n_vocab: int) -> list[int]:
+    types = metadata.get("tokenizer.ggml.token_type", [NORMAL] * n_vocab)
+    if not isinstance(types, list) or len(types) != n_vocab:
+        found = len(types) if isinstance(types, list) else type(types).__name__
+        raise ModelFormatError(
+            f"GGUF key 'tokenizer.ggml.token_type': expected {n_vocab} entries "
+            f"(one per token), found {found}"
+        )
+    bad = [t for t in types if not isinstance(t, int) or not NORMAL <= t <= BYTE]
+    if bad:
+        raise ModelFormatError(
+            f"GGUF key 'tokenizer.ggml.token_type': expected types 1..6, found {bad[0]!r}"
+        )
+    return types
+
+
+def _flag(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFormatError(f"GGUF key {key!r}: expected a bool, found {value!r}")
+    return value
+
+
+# llama.cpp's SentencePiece defaults where the GGUF names no id (BPE has none).
+_SPM_DEFAULT_IDS = {"unknown": 0, "bos": 1, "eos": 2}
+
+
+class Tokenizer:
+    """A GGUF's tokenizer (byte-level BPE or SentencePiece), reproducing llama.cpp's."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        token_types: Sequence[int],
+        pieces: Sequence[bytes],
+        encoder: _Encoder,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        eog_ids: frozenset[int],
+        chat_template: str | None,
+        add_space_prefix: bool = False,
+    ) -> None:
+        self.n_vocab = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.eog_ids = eog_ids
+        self.chat_template = chat_template
+        self.add_space_prefix = add_space_prefix
+        self._tokens = list(tokens)
+        self._pieces = list(pieces)
+        self._encoder = encoder
+        self._hidden_when_skipping = frozenset(
+            i for i, kind in enumerate(token_types) if kind in (CONTROL, UNKNOWN)
+        )
+
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from `read_metadata()` output; ModelFormatError if unsupported or malformed."""
         model = _require(metadata, "tokenizer.ggml.model", str, "a string")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise ModelFormatError(
-                f"GGUF key 'tokenizer.ggml.model': expected 'gpt2' (byte-level BPE), "
-                f"found {model!r}; other tokenizer models are not supported"
+                f"GGUF key 'tokenizer.ggml.model': expected 'gpt2' (byte-level BPE) or "
+                f"'llama' (SentencePiece), found {model!r}; this tokenizer model is not "
+                f"supported"
             )
-        pre = metadata.get("tokenizer.ggml.pre") or "default"  # llama.cpp's fallback
-        family = _FAMILY_BY_NAME.get(pre) if isinstance(pre, str) else None
-        if family is None:
-            raise ModelFormatError(
-                f"GGUF key 'tokenizer.ggml.pre': expected one of {sorted(_FAMILY_BY_NAME)}, "
-                f"found {pre!r}; this pre-tokenizer is not supported"
-            )
-        tokens = _require(metadata, "tokenizer.ggml.tokens", list, "a list of strings")
-        if not tokens or not all(isinstance(t, str) for t in tokens):
-            raise ModelFormatError(
-                "GGUF key 'tokenizer.ggml.tokens': expected a non-empty list of strings"
-            )
-        # llama.cpp gives an empty token a unique placeholder text.
-        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        family = None
+        if model == "gpt2":
+            pre = metadata.get("tokenizer.ggml.pre") or "default"  # llama.cpp's fallback
+            family = _FAMILY_BY_NAME.get(pre) if isinstance(pre, str) else None
+            if family is None:
+                raise ModelFormatError(
+                    f"GGUF key 'tokenizer.ggml.pre': expected one of {sorted(_FAMILY_BY_NAME)}, "
+                    f"found {pre!r}; this pre-tokenizer is not supported"
+                )
+        tokens = _token_list(metadata)
         n_vocab = len(tokens)
-        types = metadata.get("tokenizer.ggml.token_type", [NORMAL] * n_vocab)
-        if not isinstance(types, list) or len(types) != n_vocab:
-            found = len(types) if isinstance(types, list) else type(types).__name__
-            raise ModelFormatError(
-                f"GGUF key 'tokenizer.ggml.token_type': expected {n_vocab} entries "
-                f"(one per token), found {found}"
-            )
-        bad = [t for t in types if not isinstance(t, int) or not NORMAL <= t <= BYTE]
-        if bad:
-            raise ModelFormatError(
-                f"GGUF key 'tokenizer.ggml.token_type': expected types 1..6, found {bad[0]!r}"
-            )
-        merges = _require(metadata, "tokenizer.ggml.merges", list, "a list of strings")
-        if not all(isinstance(m, str) for m in merges):
-            raise ModelFormatError("GGUF key 'tokenizer.ggml.merges': expected a list of strings")
+        types = _token_types(metadata, n_vocab)
+        if family is not None:
+            merges = _require(metadata, "tokenizer.ggml.merges", list, "a list of strings")
+            if not all(isinstance(m, str) for m in merges):
+                raise ModelFormatError(
+                    "GGUF key 'tokenizer.ggml.merges': expected a list of strings"
+                )
+            scores, defaults = [], {}
+        else:
+            scores = check_scores(metadata.get("tokenizer.ggml.scores"), n_vocab)
+            defaults = _SPM_DEFAULT_IDS
 
-        bos_id = _optional_id(metadata, "tokenizer.ggml.bos_token_id", n_vocab)
-        eos_id = _optional_id(metadata, "tokenizer.ggml.eos_token_id", n_vocab)
-        add_bos = metadata.get("tokenizer.ggml.add_bos_token", family.default_add_bos)
-        if not isinstance(add_bos, bool):
-            raise ModelFormatError(
-                f"GGUF key 'tokenizer.ggml.add_bos_token': expected a bool, found {add_bos!r}"
-            )
+        def token_id(name: str) -> int | None:
+            key = f"tokenizer.ggml.{name}_token_id"
+            if key in metadata:
+                return _optional_id(metadata, key, n_vocab)
+            default = defaults.get(name)
+            return default if default is not None and default < n_vocab else None
+
+        bos_id = token_id("bos")
+        eos_id = token_id("eos")
+        add_bos = _flag(
+            metadata,
+            "tokenizer.ggml.add_bos_token",
+            True if family is None else family.default_add_bos,
+        )
         if add_bos and bos_id is None:
             raise ModelFormatError(
                 "GGUF key 'tokenizer.ggml.bos_token_id': expected a BOS id because "
                 "'tokenizer.ggml.add_bos_token' is true, found none"
             )
 
-        eog = {eos_id} | {
-            _optional_id(metadata, f"tokenizer.ggml.{name}_token_id", n_vocab)
-            for name in ("eot", "eom")
-        }
+        eog = {eos_id, token_id("eot"), token_id("eom")}
         named_eog = {i for i, text in enumerate(tokens) if text in EOG_TOKEN_NAMES}
         types = [CONTROL if i in named_eog else t for i, t in enumerate(types)]
         template = metadata.get("tokenizer.chat_template")
-        return cls(
-            tokens,
-            types,
-            merges,
-            family,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            add_bos=add_bos,
-            eog_ids=frozenset((eog | named_eog) - {None}),
-            chat_template=template if isinstance(template, str) and template else None,
-        )
+        specials = {
+            "bos_id": bos_id,
+            "eos_id": eos_id,
+            "add_bos": add_bos,
+            "eog_ids": frozenset((eog | named_eog) - {None}),
+            "chat_template": template if isinstance(template, str) and template else None,
+        }
+        if family is not None:
+            pieces = [_ByteLevelBpe.piece(t, k) for t, k in zip(tokens, types, strict=True)]
+            bpe = _ByteLevelBpe(tokens, types, merges, family)
+            return cls(tokens, types, pieces, bpe, **specials)
+        for name in ("unknown", "padding"):  # unused for encoding; checked all the same
+            token_id(name)
+        add_space_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", True)
+        spm = SpmEncoder(tokens, types, scores, add_space_prefix=add_space_prefix)
+        pieces = [spm_piece(t, k) for t, k in zip(tokens, types, strict=True)]
+        return cls(tokens, types, pieces, spm, add_space_prefix=add_space_prefix, **specials)
 
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = True
     ) -> list[int]:
         """Token ids of `text`; `add_bos` None follows the GGUF's add_bos_token flag.
 
-        Tokenizes with the GIL released (the library's batch call; its single-text call
-        holds it), so other threads run meanwhile."""
-        hf = self._hf if parse_special else self._hf_plain
-        (encoding,) = hf.encode_batch([text], add_special_tokens=False)
-        ids = [i for i in encoding.ids if i != self._missing_id]
+        A byte-level BPE vocabulary is tokenized with the GIL released (the library's
+        batch call), so other threads run meanwhile; a SentencePiece one in Python
+        (spm.py), in short steps over cached pieces."""
+        ids = self._encoder.encode(text, parse_special=parse_special)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise ValueError("a BOS token was requested but this GGUF defines none")
@@ -322,27 +401,36 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.n_vocab})")
         return token_id
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a token stands for; control tokens give their text."""
-        return self._pieces[self._check(token_id)]
-
-    def token_text(self, token_id: int) -> str:
-        """The token's entry in the GGUF vocabulary (byte-level form, e.g. 'Ġthe')."""
-        return self._tokens[self._check(token_id)]
-
-    def _visible_bytes(self, token_id: int, skip_special: bool) -> bytes:
+    def token_bytes(self, token_id: int, *, skip_special: bool = False) -> bytes:
+        """The raw bytes a token stands for; control tokens give their text, or nothing
+        with `skip_special` (llama.cpp's token_to_piece)."""
+        token_id = self._check(token_id)
         if skip_special and token_id in self._hidden_when_skipping:
             return b""
-        return self.token_bytes(token_id)
+        return self._pieces[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        """The token's entry in the GGUF vocabulary ('Ġthe' byte-level, '▁the' SentencePiece)."""
+        return self._tokens[self._check(token_id)]
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        """Text of `ids` (invalid UTF-8 replaced); `skip_special` drops control tokens."""
-        data = b"".join(self._visible_bytes(i, skip_special) for i in ids)
-        return data.decode("utf-8", errors="replace")
+        """Text of `ids` (invalid UTF-8 replaced); `skip_special` drops control tokens.
 
-    def stream(self, *, skip_special: bool = False) -> TextStream:
-        """A UTF-8-safe incremental detokenizer over this vocabulary."""
-        return TextStream(self, skip_special=skip_special)
+        As llama.cpp's detokenizer, a vocabulary with add_space_prefix (SentencePiece)
+        drops one leading space of the first token: the one encode put before the text.
+        """
+        data = [self.token_bytes(i, skip_special=skip_special) for i in ids]
+        if data and self.add_space_prefix and data[0][:1] == b" ":
+            data[0] = data[0][1:]
+        return b"".join(data).decode("utf-8", errors="replace")
+
+    def stream(self, *, skip_special: bool = False, sequence_start: bool = False) -> TextStream:
+        """A UTF-8-safe incremental detokenizer over this vocabulary.
+
+        `sequence_start`: the ids begin a sequence (as encode returns them), so the first
+        one drops the space add_space_prefix put there, as `decode` does. Generated text
+        continues a prompt: its first token keeps its space, as llama.cpp streams it."""
+        return TextStream(self, skip_special=skip_special, sequence_start=sequence_start)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
@@ -362,9 +450,12 @@ class Tokenizer:
 class TextStream:
     """Incremental detokenizer: emits only complete characters, holding back split ones."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special: bool = False, sequence_start: bool = False
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._strip_space = sequence_start and tokenizer.add_space_prefix
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
@@ -373,7 +464,12 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the characters it completes (possibly '')."""
-        return self._decoder.decode(self._tokenizer._visible_bytes(token_id, self._skip_special))
+        data = self._tokenizer.token_bytes(token_id, skip_special=self._skip_special)
+        if self._strip_space:
+            self._strip_space = False
+            if data[:1] == b" ":
+                data = data[1:]
+        return self._decoder.decode(data)
 
     def flush(self) -> str:
         """End the stream (its turn is over) and start afresh; returns the text held back.
