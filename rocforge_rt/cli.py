@@ -50,11 +50,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.load(
         model, backend=args.backend, n_ctx=args.ctx_size, batch_invariant=args.batch_invariant
     )
-    text = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
-    prompt = engine.tokenizer.encode(text)
+        prompt = engine.tokenizer.encode_chat([*messages, {"role": "user", "content": args.prompt}])
+    else:
+        prompt = engine.tokenizer.encode(args.prompt)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )

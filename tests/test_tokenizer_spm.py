@@ -152,6 +152,17 @@ def test_chat_template_renders_and_tokenizes_its_control_tokens(tokenizer: Token
     assert tokenizer.encode(prompt) == case["ids_bos_special"]
 
 
+def test_a_chat_template_that_writes_bos_itself_gets_no_second_one(metadata) -> None:
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    tokenizer = Tokenizer.from_metadata({**metadata, "tokenizer.chat_template": template})
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = tokenizer.encode_chat(messages)
+    assert tokenizer.add_bos and ids[0] == tokenizer.bos_id != ids[1]
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+    plain = Tokenizer.from_metadata(metadata)  # its template does not write BOS: added once
+    assert plain.encode_chat(messages) == plain.encode(plain.apply_chat_template(messages))
+
+
 @pytest.mark.parametrize("case", _NO_PREFIX_CASES)
 def test_without_add_space_prefix_no_space_is_put_in_front(
     metadata: dict[str, Any], case: dict

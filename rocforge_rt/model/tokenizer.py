@@ -446,6 +446,15 @@ class Tokenizer:
             eos_token="" if self.eos_id is None else self._tokens[self.eos_id],
         )
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids of `messages` rendered by the chat template. BOS is added as the GGUF says,
+        unless the template put it first already (Llama 2, Mistral and Llama 3 templates begin
+        with `{{ bos_token }}`): one BOS, as HF's and vLLM's chat prompts have, where
+        llama.cpp gives two and warns."""
+        text = self.apply_chat_template(messages)
+        bos = None if self.bos_id is None else self._tokens[self.bos_id]
+        return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
+
 
 class TextStream:
     """Incremental detokenizer: emits only complete characters, holding back split ones."""

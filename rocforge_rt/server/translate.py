@@ -64,7 +64,7 @@ def prompt_ids(tokenizer: Tokenizer | None, prompt: Prompt, *, first_turn: bool)
     if prompt.messages is not None:
         messages = [{"role": r, "content": c} for r, c in prompt.messages]
         try:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages))
+            return tokenizer.encode_chat(messages)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
     return tokenizer.encode(prompt.text, add_bos=None if first_turn else False)
