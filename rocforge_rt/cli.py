@@ -2,6 +2,7 @@
 keys, demo, http)."""
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,8 +80,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from rocforge_rt.model.convert import convert_to_q4_0
 
-    out = convert_to_q4_0(Path(args.input), Path(args.output), progress=not args.quiet)
-    print(f"wrote {out}", file=sys.stderr)
+    report = convert_to_q4_0(Path(args.input), Path(args.output), progress=not args.quiet)
+    print(report.format(), file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    print(f"wrote {report.path}", file=sys.stderr)
     return 0
 
 
@@ -104,10 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     gen.set_defaults(func=_cmd_generate)
 
-    conv = sub.add_parser("convert", help="requantize a GGUF's linear weights to Q4_0")
+    conv = sub.add_parser(
+        "convert",
+        help="requantize a llama GGUF (any type gguf.quants reads: K-quants, Q8_0, F16, ...)"
+        " to the runtime's Q4_0 layout; prints the requantization error per type",
+    )
     conv.add_argument("input")
     conv.add_argument("output")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.add_argument("--json", action="store_true", help="also print the report as JSON (stdout)")
     conv.set_defaults(func=_cmd_convert)
 
     models = sub.add_parser("models", help="manage models")

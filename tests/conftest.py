@@ -43,6 +43,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Q4_0 model of the `tiny-k` shape (rows of 256 and 512 values: wide
+    enough for K-quant blocks), no vocabulary."""
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-k.gguf"
+    return write_synthetic_model("tiny-k", path, seed=2, progress=False)
+
+
+@pytest.fixture(scope="session")
+def q4_k_m_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `tiny-k` model in the Q4_K_M mix (Q4_K and Q6_K linear weights, Q6_K embeddings
+    and output), with a byte-level vocabulary: what a user brings to `rocforge convert`."""
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-k-q4_k_m.gguf"
+    return write_synthetic_model("tiny-k", path, seed=4, progress=False, mix="q4_k_m", vocab=True)
+
+
+@pytest.fixture(scope="session")
 def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight model of the SmolLM2-135M shape (30 layers, 9/3 heads of 64), the
     GPU tests' model: the `tiny` shape's head dim (16) is below the attention kernels'."""

@@ -8,8 +8,24 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from rocforge_rt.model.gguf_file import load_model_file
-from rocforge_rt.model.synthetic import SHAPES, SyntheticShape, random_blocks, write_synthetic_model
+from rocforge_rt.errors import ModelFormatError
+from rocforge_rt.model.gguf_file import (
+    LINEAR_SUFFIXES,
+    load_model_file,
+    model_from_reader,
+    open_gguf,
+)
+from rocforge_rt.model.spm import UNUSED
+from rocforge_rt.model.synthetic import (
+    MIXES,
+    SHAPES,
+    VOCAB_SIZE,
+    SyntheticShape,
+    byte_vocabulary,
+    random_blocks,
+    write_synthetic_model,
+)
+from rocforge_rt.model.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_model.py"
@@ -24,6 +40,7 @@ TABLE = [
     ("llama-1b", 2048, 16, (32, 8), 64, 8192, 128256, Q.Q8_0, "tied", 500000.0, 131072),
     ("llama-8b", 4096, 32, (32, 8), 128, 14336, 128256, Q.Q4_0, Q.Q4_0, 500000.0, 8192),
     ("tiny", 64, 2, (4, 2), 16, 128, 256, Q.Q8_0, Q.Q4_0, 10000.0, 256),
+    ("tiny-k", 256, 2, (4, 2), 64, 512, 264, Q.Q8_0, Q.Q4_0, 10000.0, 256),
 ]
 
 
@@ -46,7 +63,7 @@ def test_table_lists_every_shape() -> None:
     assert sorted(SHAPES) == sorted(row[0] for row in TABLE)
 
 
-@pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-k", "smollm2-135m"])
 def test_written_model_loads_as_its_shape(name: str, tmp_path: Path) -> None:
     path = write_synthetic_model(name, tmp_path / f"{name}.gguf", progress=False)
     model = load_model_file(path)
@@ -109,6 +126,61 @@ def test_script_writes_a_model(tmp_path: Path) -> None:
     out = tmp_path / "tiny.gguf"
     assert make_synthetic_model.main(["tiny", str(out), "--seed", "3"]) == 0
     assert load_model_file(out).hparams.n_layer == 2
+
+
+def test_the_q4_k_m_mix_has_its_types_and_unit_gain_weights(q4_k_m_model: Path) -> None:
+    with pytest.raises(ModelFormatError, match="expected Q4_0 .* found Q6_K"):
+        load_model_file(q4_k_m_model)  # the runtime's own check: convert it first
+    model = model_from_reader(q4_k_m_model, open_gguf(q4_k_m_model), check_types=False)
+    assert model.metadata["general.file_type"] == 15  # MOSTLY_Q4_K_M
+    assert model.metadata["general.name"] == "rocforge synthetic tiny-k q4_k_m"
+    assert model.hparams.n_embd == 256 and not model.hparams.tied_embeddings
+    for i in range(2):
+        for suffix in LINEAR_SUFFIXES:
+            expected = Q.Q6_K if suffix in ("attn_v", "ffn_down") else Q.Q4_K
+            assert model.layer(i, suffix).ggml_type == expected, suffix
+    assert model.tensor("token_embd.weight").ggml_type == Q.Q6_K
+    assert model.tensor("output.weight").ggml_type == Q.Q6_K
+    for t in (model.layer(0, "attn_q"), model.layer(1, "ffn_down"), model.lm_head):
+        values = quants.dequantize(t.data, t.ggml_type)
+        n_in = t.shape[1]
+        assert abs(values.mean()) < 0.02 * n_in**-0.5, t.name
+        assert values.std() == pytest.approx(n_in**-0.5, rel=0.05), t.name
+
+
+def test_the_byte_vocabulary_encodes_and_decodes_text(q4_k_m_model: Path) -> None:
+    model = model_from_reader(q4_k_m_model, open_gguf(q4_k_m_model), check_types=False)
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    assert tokenizer.n_vocab == model.hparams.n_vocab == VOCAB_SIZE
+    ids = tokenizer.encode(" the cat, ünïcode")
+    assert ids[0] == tokenizer.bos_id and tokenizer.token_text(ids[1]) == "Ġthe"
+    assert tokenizer.decode(ids[1:]) == " the cat, ünïcode"
+    assert tokenizer.eog_ids == frozenset()  # no EOS: generation runs to its limit
+
+
+def test_a_byte_vocabulary_pads_with_unused_tokens_and_needs_room() -> None:
+    vocab = byte_vocabulary(VOCAB_SIZE + 3)
+    assert len(vocab["tokenizer.ggml.tokens"].value) == VOCAB_SIZE + 3
+    assert vocab["tokenizer.ggml.token_type"].value[-3:] == [UNUSED] * 3
+    with pytest.raises(ValueError, match=f"needs {VOCAB_SIZE} tokens, the shape has 256"):
+        byte_vocabulary(256)
+
+
+def test_a_mix_the_shape_cannot_hold_and_an_unknown_mix_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rows of 64 values cannot hold Q6_K blocks of 256"):
+        write_synthetic_model("tiny", tmp_path / "x.gguf", mix="q4_k_m")
+    with pytest.raises(ValueError, match="unknown quantization mix 'q3_k_s'"):
+        write_synthetic_model("tiny-k", tmp_path / "x.gguf", mix="q3_k_s")
+    assert sorted(MIXES) == ["q4_0", "q4_k_m"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_script_writes_a_k_quant_model_with_a_vocabulary(tmp_path: Path) -> None:
+    out = tmp_path / "k.gguf"
+    assert make_synthetic_model.main(["tiny-k", str(out), "--mix", "q4_k_m", "--vocab"]) == 0
+    model = model_from_reader(out, open_gguf(out), check_types=False)
+    assert model.layer(0, "attn_q").ggml_type == Q.Q4_K
+    assert model.metadata["tokenizer.ggml.model"] == "gpt2"
 
 
 def test_unknown_shape_is_rejected(tmp_path: Path) -> None:

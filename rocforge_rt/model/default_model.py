@@ -77,4 +77,4 @@ def ensure_default_model(models_dir: Path = MODELS_DIR, *, progress: bool = True
             return path
         except ModelFormatError as e:
             print(f"{e}\nrebuilding {path}", file=sys.stderr)
-    return convert_to_q4_0(source_gguf_path(models_dir), path, progress=progress)
+    return convert_to_q4_0(source_gguf_path(models_dir), path, progress=progress).path

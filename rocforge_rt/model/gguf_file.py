@@ -403,8 +403,10 @@ def write_gguf(
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for t in tqdm(tensors, desc=desc, unit="tensor", disable=not progress):
-                writer.write_tensor_data(np.ascontiguousarray(t.produce()))
+            with tqdm(tensors, desc=desc, unit="tensor", disable=not progress) as bar:
+                for t in bar:
+                    bar.set_postfix_str(t.name, refresh=False)
+                    writer.write_tensor_data(np.ascontiguousarray(t.produce()))
         finally:
             writer.close()
     return dst

@@ -1,4 +1,4 @@
-"""Random-weight Q4_0 llama GGUFs of real model shapes, for benchmarks and tests.
+"""Random-weight llama GGUFs of real model shapes (Q4_0 or a K-quant mix) for benchmarks and tests.
 
 Speed depends on shapes, not values, so benchmarks run on these files. Quantized
 blocks are drawn directly (random payload bytes + f16 scales of random sign, as
@@ -7,8 +7,17 @@ tensor, so even the 8B shape streams to disk without quantizing anything. Scales
 give every weight matrix a standard deviation of 1/sqrt(n_in) and the embeddings
 one of 1/sqrt(n_embd): activations keep unit scale through the layers and the
 logits stay O(1). The files carry no vocabulary (tokenizer.ggml.model = "none"),
-which llama.cpp accepts for benchmarks, unless one is given (the tests' SentencePiece
-model, scripts/make_spm_test_data.py).
+which llama.cpp accepts for benchmarks, unless `vocab=True` gives them a small byte-level
+BPE vocabulary (`byte_vocabulary`: every byte, a few merges, a BOS token), enough for
+`rocforge generate` and text prompts, or `vocabulary` gives the `tokenizer.*` keys of
+another (the tests' SentencePiece model, scripts/make_spm_test_data.py).
+
+A quantization mix (`MIXES`) sets each tensor's type: `q4_0`, the runtime's own layout
+(the shape's embedding types), or `q4_k_m`, the K-quant mix most downloaded GGUFs use
+(attn_v and ffn_down Q6_K, the other linear weights Q4_K, token_embd and output.weight
+Q6_K): the file `rocforge convert` is for. Types other than Q4_0/Q8_0 are made by
+quantizing Gaussian values of the same standard deviations, a slice of rows at a time
+(gguf.quants where it can quantize the type, `kquants` for the K types it cannot).
 """
 
 from collections.abc import Mapping
@@ -19,7 +28,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValue, GGUFValueType, LlamaFileType
 
-from rocforge_rt.model.gguf_file import TensorOut, write_gguf
+from rocforge_rt.model import kquants
+from rocforge_rt.model.gguf_file import LINEAR_SUFFIXES, TensorOut, write_gguf
+from rocforge_rt.model.spm import CONTROL, NORMAL, UNUSED
+from rocforge_rt.model.tokenizer import BYTE_LEVEL_CHARS
 
 Q = GGMLQuantizationType
 
@@ -48,10 +60,64 @@ class SyntheticShape:
 
 SHAPES: dict[str, SyntheticShape] = {
     "tiny": SyntheticShape(64, 2, 4, 2, 128, 256, 256, 10000.0, Q.Q8_0, Q.Q4_0, head_dim=16),
+    # the smallest shape whose rows hold 256-value K-quant blocks; its vocabulary size is
+    # byte_vocabulary's
+    "tiny-k": SyntheticShape(256, 2, 4, 2, 512, 264, 256, 10000.0, Q.Q8_0, Q.Q4_0, head_dim=64),
     "smollm2-135m": SyntheticShape(576, 30, 9, 3, 1536, 49152, 8192, 100000.0, Q.Q8_0, None),
     "llama-1b": SyntheticShape(2048, 16, 32, 8, 8192, 128256, 131072, 500000.0, Q.Q8_0, None),
     "llama-8b": SyntheticShape(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0, Q.Q4_0, Q.Q4_0),
 }
+
+
+@dataclass(frozen=True)
+class QuantMix:
+    """The tensor types of a file: per linear weight, and for the embeddings (None: the
+    shape's own)."""
+
+    linear: dict[str, GGMLQuantizationType]  # LINEAR_SUFFIXES -> type
+    embd_type: GGMLQuantizationType | None
+    output_type: GGMLQuantizationType | None  # a tied shape stays tied
+    file_type: LlamaFileType
+
+
+MIXES: dict[str, QuantMix] = {
+    "q4_0": QuantMix(dict.fromkeys(LINEAR_SUFFIXES, Q.Q4_0), None, None, LlamaFileType.MOSTLY_Q4_0),
+    # llama.cpp's Q4_K_M gives attn_v and ffn_down Q6_K in some layers; here in all
+    "q4_k_m": QuantMix(
+        {s: Q.Q6_K if s in ("attn_v", "ffn_down") else Q.Q4_K for s in LINEAR_SUFFIXES},
+        Q.Q6_K,
+        Q.Q6_K,
+        LlamaFileType.MOSTLY_Q4_K_M,
+    ),
+}
+
+# byte_vocabulary's merges: the pair, in the byte-level alphabet
+VOCAB_MERGES = ("Ġ t", "h e", "Ġt he", "i n", "e r", "Ġ a", "o n")
+VOCAB_BOS = "<s>"
+VOCAB_SIZE = len(BYTE_LEVEL_CHARS) + len(VOCAB_MERGES) + 1  # 264
+
+
+def byte_vocabulary(n_vocab: int) -> dict[str, GGUFValue]:
+    """A byte-level BPE vocabulary of `n_vocab` tokens as GGUF metadata: ids 0-255 the bytes,
+    then VOCAB_MERGES' tokens, the BOS token (added to every prompt; no EOS, so generation
+    runs to its token limit), and unused tokens up to `n_vocab`."""
+    if n_vocab < VOCAB_SIZE:
+        raise ValueError(f"a byte vocabulary needs {VOCAB_SIZE} tokens, the shape has {n_vocab}")
+    merged = [m.replace(" ", "") for m in VOCAB_MERGES]
+    unused = [f"<|unused_{i}|>" for i in range(n_vocab - VOCAB_SIZE)]
+    tokens = [*BYTE_LEVEL_CHARS, *merged, VOCAB_BOS, *unused]
+    types = [NORMAL] * (len(BYTE_LEVEL_CHARS) + len(merged)) + [CONTROL] + [UNUSED] * len(unused)
+    array, string = GGUFValueType.ARRAY, GGUFValueType.STRING
+    return {
+        "tokenizer.ggml.model": GGUFValue("gpt2", string),
+        "tokenizer.ggml.pre": GGUFValue("gpt-2", string),
+        "tokenizer.ggml.tokens": GGUFValue(tokens, array, string),
+        "tokenizer.ggml.token_type": GGUFValue(types, array, GGUFValueType.INT32),
+        "tokenizer.ggml.merges": GGUFValue(list(VOCAB_MERGES), array, string),
+        "tokenizer.ggml.bos_token_id": GGUFValue(tokens.index(VOCAB_BOS), GGUFValueType.UINT32),
+        "tokenizer.ggml.add_bos_token": GGUFValue(True, GGUFValueType.BOOL),
+    }
+
 
 # root mean square of the integer q a block stores for a random payload byte
 _Q_RMS = {
@@ -79,12 +145,13 @@ def random_blocks(
     return blocks.reshape(n_out, n_in // block_size * type_size)
 
 
-def _metadata(name: str, s: SyntheticShape) -> dict[str, GGUFValue]:
+def _metadata(name: str, s: SyntheticShape, mix: str, vocab: bool) -> dict[str, GGUFValue]:
     u32, f32, string = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+    label = name if mix == "q4_0" else f"{name} {mix}"
     values = {
         "general.architecture": ("llama", string),
-        "general.name": (f"rocforge synthetic {name}", string),
-        "general.file_type": (int(LlamaFileType.MOSTLY_Q4_0), u32),
+        "general.name": (f"rocforge synthetic {label}", string),
+        "general.file_type": (int(MIXES[mix].file_type), u32),
         "general.quantization_version": (2, u32),
         "llama.vocab_size": (s.n_vocab, u32),
         "llama.context_length": (s.n_ctx, u32),
@@ -98,24 +165,41 @@ def _metadata(name: str, s: SyntheticShape) -> dict[str, GGUFValue]:
         "llama.attention.layer_norm_rms_epsilon": (s.rms_eps, f32),
         "llama.rope.freq_base": (s.rope_base, f32),
         "llama.rope.dimension_count": (s.head_dim_k, u32),
-        "tokenizer.ggml.model": ("none", string),
     }
-    return {key: GGUFValue(value, vtype) for key, (value, vtype) in values.items()}
+    metadata = {key: GGUFValue(value, vtype) for key, (value, vtype) in values.items()}
+    return metadata | (
+        byte_vocabulary(s.n_vocab) if vocab else {"tokenizer.ggml.model": GGUFValue("none", string)}
+    )
 
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
 
 
+CHUNK_VALUES = 1 << 22  # Gaussian values drawn and quantized at a time
+
+
 def _draw(seed: int, index: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `index` of the file: a norm gain near 1, or random blocks with std 1/sqrt(n_in)."""
+    """Tensor `index` of the file: a norm gain near 1, or weights with std 1/sqrt(n_in)
+    (random Q4_0/Q8_0 blocks, or Gaussian values quantized to any other type)."""
     rng = np.random.default_rng([seed, index])  # one stream per tensor: same file in any order
     if qtype == Q.F32:
         return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
-    return random_blocks(rng, shape[0], shape[1], qtype, std=shape[1] ** -0.5)
+    n_out, n_in = shape
+    std = n_in**-0.5
+    if qtype in _Q_RMS:
+        return random_blocks(rng, n_out, n_in, qtype, std=std)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((n_out, n_in // block_size * type_size), dtype=np.uint8)
+    step = max(1, CHUNK_VALUES // n_in)
+    for start in range(0, n_out, step):
+        rows = min(step, n_out - start)
+        values = rng.standard_normal((rows, n_in), dtype=np.float32) * np.float32(std)
+        out[start : start + rows] = kquants.quantize(values, qtype).view(np.uint8)
+    return out
 
 
-def _tensors(s: SyntheticShape, seed: int) -> list[TensorOut]:
+def _tensors(s: SyntheticShape, seed: int, mix: QuantMix) -> list[TensorOut]:
     q_dim, kv_dim = s.n_head * s.head_dim_k, s.n_head_kv * s.head_dim_k
     linear = {
         "attn_q": (q_dim, s.n_embd),
@@ -126,14 +210,25 @@ def _tensors(s: SyntheticShape, seed: int) -> list[TensorOut]:
         "ffn_up": (s.n_ff, s.n_embd),
         "ffn_down": (s.n_embd, s.n_ff),
     }
-    plan = [("token_embd.weight", s.embd_type, (s.n_vocab, s.n_embd))]
+    embd_type = s.embd_type if mix.embd_type is None else mix.embd_type
+    plan = [("token_embd.weight", embd_type, (s.n_vocab, s.n_embd))]
     for i in range(s.n_layer):
         for part in LAYER_TENSORS:
-            qtype, shape = (Q.Q4_0, linear[part]) if part in linear else (Q.F32, (s.n_embd,))
+            qtype, shape = (
+                (mix.linear[part], linear[part]) if part in linear else (Q.F32, (s.n_embd,))
+            )
             plan.append((f"blk.{i}.{part}.weight", qtype, shape))
     plan.append(("output_norm.weight", Q.F32, (s.n_embd,)))
     if s.output_type is not None:
-        plan.append(("output.weight", s.output_type, (s.n_vocab, s.n_embd)))
+        output_type = s.output_type if mix.output_type is None else mix.output_type
+        plan.append(("output.weight", output_type, (s.n_vocab, s.n_embd)))
+    for name, qtype, shape in plan:
+        block_size = GGML_QUANT_SIZES[qtype][0]
+        if shape[-1] % block_size:
+            raise ValueError(
+                f"{name}: rows of {shape[-1]} values cannot hold {qtype.name} blocks of "
+                f"{block_size}; pick a shape whose widths are multiples of {block_size} (tiny-k)"
+            )
     return [
         TensorOut(name, qtype, shape, partial(_draw, seed, index, qtype, shape))
         for index, (name, qtype, shape) in enumerate(plan)
@@ -146,25 +241,30 @@ def write_synthetic_model(
     *,
     seed: int = 0,
     progress: bool = True,
+    mix: str = "q4_0",
+    vocab: bool = False,
     vocabulary: Mapping[str, GGUFValue] | None = None,
 ) -> Path:
-    """Write a random-weight Q4_0 GGUF of a named shape (see SHAPES) atomically to `out`.
-
-    `vocabulary`: `tokenizer.*` keys to carry instead of "none"; the shape's vocabulary
-    size becomes the number of its `tokenizer.ggml.tokens`."""
+    """Write a random-weight GGUF of a named shape (see SHAPES) in a quantization mix (see
+    MIXES) atomically to `out`: with a byte vocabulary if `vocab`, or with `vocabulary`'s
+    `tokenizer.*` keys (the shape's vocabulary size becomes its number of tokens)."""
+    if vocab and vocabulary is not None:
+        raise ValueError("give a synthetic model `vocab` or a `vocabulary`, not both")
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+    if mix not in MIXES:
+        raise ValueError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
     spec = SHAPES[shape]
-    metadata = _metadata(shape, spec)
     if vocabulary is not None:
         spec = replace(spec, n_vocab=len(vocabulary["tokenizer.ggml.tokens"].value))
-        metadata = _metadata(shape, spec)
+    metadata = _metadata(shape, spec, mix, vocab)
+    if vocabulary is not None:
         del metadata["tokenizer.ggml.model"]
         metadata.update(vocabulary)
     return write_gguf(
         Path(out),
         metadata,
-        _tensors(spec, seed),
+        _tensors(spec, seed, MIXES[mix]),
         progress=progress,
-        desc=f"synthetic {shape}",
+        desc=f"synthetic {shape} {mix}",
     )

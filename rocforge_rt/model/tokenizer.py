@@ -121,6 +121,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _ALPHABET = _byte_level_alphabet()
+# the vocabulary entry of each byte 0..255 in a byte-level BPE vocabulary ('Ġ' for b' ')
+BYTE_LEVEL_CHARS = tuple(sorted(_ALPHABET, key=_ALPHABET.__getitem__))
 _ALPHABET_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _ALPHABET.items()})
 
 
