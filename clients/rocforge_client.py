@@ -86,7 +86,8 @@ class TurnFinished(ClientError):
 
 
 class Busy(ClientError):
-    """Every session slot of the daemon is taken: retry later."""
+    """Every session slot of the daemon is taken and its queue is full (or off), or the
+    request waited for a slot past the daemon's --max-queue-time: retry later."""
 
     code = "busy"
 

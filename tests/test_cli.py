@@ -143,3 +143,33 @@ def test_serve_and_generate_take_batch_invariance_off_by_default(tiny_model):
         assert parser.parse_args([*command, "--batch-invariant"]).batch_invariant is True
     engine_plan = plan(DaemonConfig(model=tiny_model, backend="cpu", batch_invariant=True))
     assert engine_plan.build(lambda: False).backend.device_info()["batch_invariant"] is True
+
+
+def test_serve_takes_the_queue_flags_and_shows_their_defaults(capsys):
+    from rocforge_rt.cli import build_parser
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    assert (serve.max_queue, serve.max_queue_time) == (128, 60.0)
+    serve = parser.parse_args(["serve", "--max-queue", "0", "--max-queue-time", "2.5"])
+    assert (serve.max_queue, serve.max_queue_time) == (0, 2.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--max-queue N" in shown and "(default: 128)" in shown
+    assert "--max-queue-time SECONDS" in shown and "(default: 60)" in shown
+
+
+def test_serve_refuses_a_negative_queue_bound_by_name(tiny_model):
+    done = rocforge("serve", "--model", str(tiny_model), "--backend", "cpu",
+                    "--bind", "tcp://127.0.0.1:*", "--max-queue", "-1", timeout=60)  # fmt: skip
+    assert_refused(done, "--max-queue must be >= 0", "got -1")
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_a_queue_time_limit_must_be_a_finite_number_of_seconds_at_least_0(tiny_model, seconds):
+    from rocforge_rt.server.config import DaemonConfig, ServerError, plan
+
+    with pytest.raises(ServerError, match=f"--max-queue-time must be .* >= 0 .*, got {seconds}"):
+        plan(DaemonConfig(model=tiny_model, backend="cpu", max_queue_time_s=seconds))
+    assert plan(DaemonConfig(model=tiny_model, backend="cpu", max_queue_time_s=0)).limits

@@ -323,16 +323,21 @@ def test_streams_scheduled_together_keep_their_own_tokens_when_one_is_aborted(
 
 
 # --- admission and limits -----------------------------------------------------------------------
-def test_a_full_daemon_answers_busy_at_once(client) -> None:
-    sessions = [client.open(tokens=PROMPT).session for _ in range(2)]
-    started = time.monotonic()
-    with pytest.raises(Busy):
-        client.open(tokens=PROMPT)
-    with pytest.raises(Busy):
-        next(client.generate(tokens=PROMPT))
-    assert time.monotonic() - started < 1.0
-    client.close(sessions[0])
-    assert client.open(tokens=PROMPT).session
+def test_without_a_queue_a_full_daemon_answers_busy_at_once(tiny_model: Path) -> None:
+    with (
+        serving(tiny_model, max_queue=0) as daemon,
+        connect(daemon.endpoint, timeout=10) as client,
+    ):
+        sessions = [client.open(tokens=PROMPT).session for _ in range(2)]
+        started = time.monotonic()
+        with pytest.raises(Busy, match=r"all 2 session slots .* queue is off \(--max-queue 0\)"):
+            client.open(tokens=PROMPT)
+        with pytest.raises(Busy):
+            next(client.generate(tokens=PROMPT))
+        assert time.monotonic() - started < 1.0
+        assert client.health()["waiting"] == 0
+        client.close(sessions[0])
+        assert client.open(tokens=PROMPT).session
 
 
 def test_a_turn_that_does_not_fit_is_context_full(client) -> None:

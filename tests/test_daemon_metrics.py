@@ -3,6 +3,7 @@ Prometheus' own parser reads; request histograms and token counters move with ea
 request, gauges tell what runs and what the KV pool holds, and decode steps record their
 batch size."""
 
+import time
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -72,3 +73,26 @@ def test_backend_counters_are_exported_where_the_backend_has_them() -> None:
     assert samples[PREFIX + 'request_success_total{finished_reason="none"}'] == 1
     assert samples[PREFIX + 'time_to_first_token_seconds_bucket{le="0.02"}'] == 1
     assert samples[PREFIX + 'time_to_first_token_seconds_bucket{le="0.01"}'] == 0
+
+
+def test_requests_that_wait_for_a_slot_are_counted_waiting_then_timed_in_the_queue(
+    tiny_model: Path,
+) -> None:
+    with (
+        serving(tiny_model, max_sessions=1) as daemon,
+        connect(daemon.endpoint) as client,
+        connect(daemon.endpoint) as waiter,
+    ):
+        held = client.open(tokens=PROMPT, max_tokens=4)
+        rid = waiter.send("generate", tokens=PROMPT, max_tokens=2)  # waits for the one slot
+        limit = time.monotonic() + 10
+        while parsed(client.metrics())[PREFIX + "num_requests_waiting"] != 1:
+            assert time.monotonic() < limit, "the second request never waited"
+            time.sleep(0.01)
+        client.close(held.session)
+        while not waiter.receive(rid, timeout=10)["done"]:
+            pass
+        samples = parsed(client.metrics())
+    assert samples[PREFIX + "num_requests_waiting"] == 0
+    assert samples[PREFIX + "request_queue_time_seconds_count"] == 2  # the open and the waiter
+    assert samples[PREFIX + "request_queue_time_seconds_sum"] > 0

@@ -6,6 +6,7 @@ last tests start it so). Generations are a few tokens long, and most are text co
 of a short prompt: a chat prompt costs a prefill of ~24 tokens on the CPU backend.
 """
 
+import asyncio
 import json
 import logging
 import signal
@@ -54,6 +55,7 @@ def daemon(default_model: Path) -> Iterator[Daemon]:
         ctx_size=256,
         max_sessions=2,
         max_new_tokens=MAX_NEW_TOKENS,
+        max_queue=1,
     )
     with Daemon(config) as d:
         yield d
@@ -360,23 +362,31 @@ def test_the_api_key_guards_v1_but_not_health(daemon: Daemon, model: str) -> Non
             openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
-def test_a_busy_daemon_is_a_429(url: str, model: str, daemon: Daemon) -> None:
+def test_past_the_daemons_queue_a_request_is_a_429(url: str, model: str, daemon: Daemon) -> None:
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS, "stream": True}
     with httpx.Client(base_url=url, timeout=120) as http:
         holding = []
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: queued.append(
+            http.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})))  # fmt: skip
         try:
             for _ in range(2):  # every session slot (--max-sessions 2)
                 stream = http.stream("POST", "/v1/completions", json=body)
                 response = stream.__enter__()
                 holding.append(stream)
                 assert response.status_code == 200
+            waiter.start()  # waits in the daemon's queue (--max-queue 1)
+            with connect(daemon.endpoint) as client:
+                wait_for(lambda: client.health()["waiting"] == 1)
             refused = http.post("/v1/completions", json={**body, "stream": False})
             assert refused.status_code == 429
             error = error_of(refused)
-            assert error["code"] == "busy" and "busy" in error["message"]
+            assert error["code"] == "busy" and "--max-queue 1" in error["message"]
         finally:
             for stream in holding:
                 stream.__exit__(None, None, None)
+        waiter.join(60)
+    assert queued[0].status_code == 200  # it ran once a slot was free
     wait_until_idle(daemon)
 
 
@@ -463,6 +473,51 @@ def test_metrics_without_a_daemon_are_the_fronts_with_daemon_up_0() -> None:
     assert response.status_code == 200 and samples["rocforge:daemon_up{}"] == 0
     other = {"method": "GET", "route": "other", "status": "404"}
     assert samples["rocforge:http_requests_total" + json.dumps(other, sort_keys=True)] == 1
+
+
+async def stream_completion(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed completion's status, text and last chunk's finish reason and usage."""
+    text, last = [], {}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += [c["text"] for c in chunk["choices"]]
+                last = {**last, **{k: v for k, v in chunk.items() if v}}
+    return {"status": response.status_code, "text": "".join(text), "last": last}
+
+
+def test_32_streams_against_4_slots_all_complete_with_the_queue_in_the_metrics(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    model = write_synthetic_model("tiny-k", tmp_path_factory.mktemp("m") / "t.gguf", seed=5,
+                                  progress=False, vocab=True)  # fmt: skip
+    config = DaemonConfig(model=model, backend="cpu", bind="tcp://127.0.0.1:*", ctx_size=64,
+                          max_sessions=4, max_new_tokens=8)  # fmt: skip
+    body = {"model": model.stem, "prompt": "hello there", "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    waiting_seen: list[float] = []
+
+    async def run(base: str) -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
+            streams = asyncio.gather(*(stream_completion(http, body) for _ in range(32)))
+            while not streams.done():
+                text = (await http.get("/metrics")).text
+                waiting_seen.append(samples_of(text)["rocforge:num_requests_waiting{}"])
+                await asyncio.sleep(0.02)
+            return await streams
+
+    with Daemon(config) as daemon, running_front(FrontConfig(daemon=daemon.endpoint)) as base:
+        results = asyncio.run(run(base))
+        metrics = samples_of(httpx.get(f"{base}/metrics").text)
+    assert [r["status"] for r in results] == [200] * 32  # none refused
+    assert all(r["last"]["usage"]["completion_tokens"] == 6 for r in results)
+    assert max(waiting_seen) > 0  # requests waited for a slot, and the metrics showed it
+    assert metrics["rocforge:request_queue_time_seconds_count{}"] == 32
+    assert metrics["rocforge:num_requests_waiting{}"] == 0
 
 
 # --- the commands ----------------------------------------------------------------------------

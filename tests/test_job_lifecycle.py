@@ -42,7 +42,8 @@ class Rig:
 
     def __init__(self, engine: Engine, limits: Limits = LIMITS) -> None:
         self.engine = engine
-        self.board = JobBoard(engine.slots)  # the engine's allocator: the one count of slots
+        # the engine's allocator: the one count of slots
+        self.board = JobBoard(engine.slots, max_queue=limits.max_queue)
         self.policy = StepPolicy()
         self.outbox = Outbox()
         self.lifecycle = Lifecycle(
@@ -97,24 +98,27 @@ class Rig:
         return reply["session"]
 
     def free_slots(self) -> int:
-        """Session slots the board would still reserve."""
+        """Session slots the board would still reserve (up to a probe it queues, or refuses)."""
         probes = []
         try:
-            while True:
+            while not probes or probes[-1].slot is not None:
                 probes.append(self.accept("open", tokens=[1]))
         except ProtocolError as exc:
             assert exc.code is ErrorCode.BUSY
+        reserved = sum(probe.slot is not None for probe in probes)
         for probe in probes:
             self.board.retire(probe)
-        return len(probes)
+        return reserved
 
     def holds_nothing(self) -> bool:
         """No session, no slot, no job in flight, nothing queued."""
         return (
             not self.lifecycle.sessions
             and self.engine.slots.in_use == 0
-            and self.board.counts() == {"in_flight": 0, "sessions": 0, "slots_free": 2}
+            and self.board.counts()
+            == {"in_flight": 0, "sessions": 0, "slots_free": 2, "waiting": 0}
             and not self.policy.busy
+            and not self.policy.waiting
             and self.free_slots() == LIMITS.max_sessions
         )
 
@@ -138,7 +142,7 @@ def rig(engine: Engine) -> Iterator[Rig]:
 def test_an_open_that_ends_before_its_first_token_closes_the_session_it_opened(rig: Rig) -> None:
     job = rig.start("open", tokens=PROMPT)
     assert job.state is JobState.PREFILLING and rig.engine.slots.in_use == 1
-    assert rig.board.counts() == {"in_flight": 1, "sessions": 1, "slots_free": 1}
+    assert rig.board.counts() == {"in_flight": 1, "sessions": 1, "slots_free": 1, "waiting": 0}
     assert rig.lifecycle.end(job, Cancelled(CancelCause.CLIENT)) is True
     assert job.state is JobState.ENDED
     (reply,) = rig.replies()
@@ -155,7 +159,7 @@ def test_an_open_that_gave_its_token_leaves_its_session_open_and_idle(rig: Rig) 
     assert reply["ok"] and reply["finish_reason"] is None and len(reply["tokens"]) == 1
     live = rig.lifecycle.sessions[reply["session"]]
     assert live.job is None and not live.session.finished
-    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1}
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1, "waiting": 0}
     assert rig.engine.slots.in_use == 1 and rig.free_slots() == 1
 
 
@@ -199,6 +203,82 @@ def test_a_job_cancelled_while_queued_ends_at_its_start(rig: Rig) -> None:
     assert rig.holds_nothing()
 
 
+# --- jobs waiting for a session slot -------------------------------------------------------------
+QUEUEING = dataclasses.replace(LIMITS, max_queue=4, max_queue_time_s=60.0)
+
+
+@pytest.fixture()
+def full(engine: Engine) -> Iterator[Rig]:
+    """A rig whose board queues (--max-queue 4) with both slots held by idle sessions."""
+    rig = Rig(engine, QUEUEING)
+    rig.open_session()
+    rig.open_session()
+    yield rig
+    for live in list(rig.lifecycle.sessions.values()):
+        rig.lifecycle.close_session(live)
+    for job in rig.accepted:
+        rig.board.retire(job)
+
+
+def test_a_job_waiting_for_a_slot_starts_as_if_admitted_when_a_session_closes(full: Rig) -> None:
+    first = full.start("generate", tokens=PROMPT, max_tokens=4)
+    second = full.start("open", tokens=PROMPT, max_tokens=4)
+    assert first.state is second.state is JobState.WAITING
+    assert list(full.policy.waiting) == [first, second] and not full.policy.busy
+    assert full.board.counts()["waiting"] == 2 and first.slot is None
+    full.lifecycle.start_waiting()  # no slot free: nothing moves
+    assert first.state is JobState.WAITING and full.replies() == []
+    full.lifecycle.close_session(next(iter(full.lifecycle.sessions.values())))
+    full.lifecycle.start_waiting()
+    assert first.state is JobState.PREFILLING and second.state is JobState.WAITING  # oldest first
+    assert first.session_id in full.lifecycle.sessions and first.slot is None  # the session's
+    assert full.board.counts() == {"in_flight": 2, "sessions": 2, "slots_free": 0, "waiting": 1}
+    assert first.waited > 0 and first.timer.wait_s == first.waited
+    full.lifecycle.end(first, Cancelled(CancelCause.CLIENT))  # its one-shot session closes
+    full.lifecycle.start_waiting()
+    assert second.state is JobState.PREFILLING
+
+
+@pytest.mark.parametrize(
+    ("ending", "code", "message"),
+    [
+        (Cancelled(CancelCause.CLIENT), "aborted", "aborted (client) before it started"),
+        (Cancelled(CancelCause.DISCONNECT), "aborted", "aborted (disconnect) before it started"),
+        (Cancelled(CancelCause.SHUTDOWN), "aborted", "aborted (shutdown) before it started"),
+        (Cancelled(CancelCause.DEADLINE), "deadline_exceeded",
+         "aborted (deadline) before it started"),
+        ("overdue", "busy", "waited 60.0 s for a session slot, the limit (--max-queue-time 60): all"
+                            " 2 session slots (--max-sessions 2) are in use; retry later"),
+    ],
+    ids=["abort", "disconnect", "shutdown", "deadline", "max-queue-time"],
+)  # fmt: skip
+def test_a_waiting_job_ends_as_a_queued_one_and_leaves_the_queue(
+    full: Rig, ending: Any, code: str, message: str
+) -> None:
+    job = full.start("generate", tokens=PROMPT)
+    if ending == "overdue":
+        full.lifecycle.end_overdue(job.received + 59.9)  # not yet
+        assert job.state is JobState.WAITING
+        full.lifecycle.end_overdue(job.received + 60.0)
+    else:
+        full.lifecycle.end(job, ending)
+    (reply,) = full.replies()
+    assert reply == {"id": job.request.id, "ok": False, "done": True,
+                     "error": {"code": code, "message": message}}  # fmt: skip
+    assert job.state is JobState.ENDED and not full.policy.waiting
+    assert full.board.counts() == {"in_flight": 0, "sessions": 2, "slots_free": 0, "waiting": 0}
+    for live in list(full.lifecycle.sessions.values()):
+        full.lifecycle.close_session(live)
+    assert full.holds_nothing()
+
+
+def test_a_turn_the_daemon_refuses_is_refused_at_once_not_after_waiting(full: Rig) -> None:
+    job = full.start("open", tokens=PROMPT, max_tokens=41)
+    (reply,) = full.replies()
+    assert reply["error"]["code"] == "limit_exceeded" and job.state is JobState.ENDED
+    assert full.board.counts()["waiting"] == 0 and not full.policy.waiting
+
+
 # --- jobs on the client's session ---------------------------------------------------------------
 def test_a_step_cut_before_its_first_token_ends_the_turn_but_not_the_session(rig: Rig) -> None:
     session = rig.open_session(max_tokens=8)
@@ -209,7 +289,7 @@ def test_a_step_cut_before_its_first_token_ends_the_turn_but_not_the_session(rig
     assert reply["error"]["code"] == "deadline_exceeded"
     live = rig.lifecycle.sessions[session]
     assert live.job is None and live.session.finish_reason is FinishReason.ABORT
-    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1}
+    assert rig.board.counts() == {"in_flight": 0, "sessions": 1, "slots_free": 1, "waiting": 0}
     rig.start("step", session=session)
     assert rig.replies()[0]["error"]["code"] == "turn_finished"
 

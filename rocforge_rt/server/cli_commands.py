@@ -24,7 +24,13 @@ from typing import Any
 from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
 from rocforge_rt.profiling.latency import distribution
-from rocforge_rt.server.config import DEFAULT_BIND, DaemonConfig, ServerError
+from rocforge_rt.server.config import (
+    DEFAULT_BIND,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_TIME_S,
+    DaemonConfig,
+    ServerError,
+)
 from rocforge_rt.server.front_process import FrontProcess, connect_address, front_command
 from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen
@@ -92,6 +98,8 @@ def _serve(args: argparse.Namespace) -> None:
         curve_keys=Path(args.curve_keys) if args.curve_keys else None,
         max_sessions_per_client=args.max_sessions_per_client,
         operator_key=args.operator_key,
+        max_queue=args.max_queue,
+        max_queue_time_s=args.max_queue_time,
     )
     api_key = args.http_api_key or os.environ.get(API_KEY_ENV) or None
     if args.http is not None:
@@ -254,10 +262,14 @@ def _cmd_client_profile(args: argparse.Namespace) -> int:
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """The stats endpoint as a text report: latency, steps, op table, KV use, hints."""
+    """The stats endpoint as a text report: latency, steps, op table, KV use, queue, hints."""
     lines = [f"{'latency (ms)':<16}{'n':>6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
     latency = stats["latency"]
-    for label, key in (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("end-to-end", "e2e_ms")):
+    rows = (("queue wait", "wait_ms"), ("TTFT", "ttft_ms"), ("inter-token", "itl_ms"),
+            ("end-to-end", "e2e_ms"))  # fmt: skip
+    for label, key in rows:
+        if key not in latency:  # a daemon from before the queue
+            continue
         d = latency[key]
         lines.append(
             f"  {label:<14}{d['n']:>6}{d['mean']:>10.2f}{d['p50']:>10.2f}{d['p90']:>10.2f}"
@@ -291,6 +303,8 @@ def format_stats(stats: dict[str, Any]) -> str:
         f" KV: {kv['tokens_cached']} tokens cached, {kv['bytes_used'] / 2**20:.1f} of"
         f" {kv['pool_bytes'] / 2**20:.1f} MiB ({kv['use']:.1%})"
     )
+    if "queue" in stats:
+        lines.append(format_queue(stats["queue"]))
     if "runtime" in stats:
         lines.extend(_runtime_lines(stats["runtime"]))
     advice = [
@@ -300,6 +314,16 @@ def format_stats(stats: dict[str, Any]) -> str:
     lines.append("recommendations:" + (f" ({quiet} kernels: no action)" if quiet else ""))
     lines.extend(f"  - [{a['action']}] {a['message']}" for a in advice)
     return "\n".join(lines)
+
+
+def format_queue(queue: dict[str, Any]) -> str:
+    """The queue of requests waiting for a session slot, on one line."""
+    limit = queue["max_queue_time_s"]
+    return (
+        f"queue: {queue['waiting']} waiting for a session slot (peak {queue['peak_waiting']}),"
+        f" at most {queue['max_queue']} (--max-queue), each for at most"
+        + (f" {limit:g} s (--max-queue-time)" if limit > 0 else " any time (--max-queue-time 0)")
+    )
 
 
 def _runtime_lines(runtime: dict[str, Any]) -> list[str]:
@@ -516,6 +540,23 @@ def add_server_commands(sub: Any) -> None:
         "--no-pipelined-decode",
         action="store_true",
         help="GPU: read each decode step back before issuing the next (for A/B runs)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        metavar="N",
+        help="requests (open, one-shot generate) that wait, first come first served, for a"
+        " session slot when every one is in use; past N they get `busy`; 0: no queue, busy at"
+        f" once (default: {DEFAULT_MAX_QUEUE})",
+    )
+    serve.add_argument(
+        "--max-queue-time",
+        type=float,
+        default=DEFAULT_MAX_QUEUE_TIME_S,
+        metavar="SECONDS",
+        help="the longest a request waits for a session slot, then it gets `busy`; 0: no limit"
+        f" (default: {DEFAULT_MAX_QUEUE_TIME_S:g})",
     )
     serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
     serve.add_argument(

@@ -7,6 +7,7 @@ allocator, the one count of session slots, shared by the engine and the job boar
 """
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from rocforge_rt.server.jobs import Limits
 log = logging.getLogger("rocforge.server")
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
+DEFAULT_MAX_QUEUE = 128  # requests waiting for a session slot
+DEFAULT_MAX_QUEUE_TIME_S = 60.0
 
 
 class ServerError(RocforgeError):
@@ -46,6 +49,8 @@ class DaemonConfig:
     curve_keys: Path | None = None
     max_sessions_per_client: int | None = None  # None: --max-sessions (no extra limit)
     operator_key: str | None = None  # stats reset, trace, profile off loopback; None: refused
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for a slot; 0: busy at once
+    max_queue_time_s: float = DEFAULT_MAX_QUEUE_TIME_S  # longest wait for a slot; 0: no limit
 
 
 def _mib(n: int) -> str:
@@ -88,6 +93,16 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             f"--max-sessions-per-client must be >= 1, got {config.max_sessions_per_client}",
         ),
         (config.operator_key != "", "--operator-key must not be empty"),
+        (
+            config.max_queue >= 0,
+            f"--max-queue must be >= 0 (0: no queue, a full daemon answers busy), got"
+            f" {config.max_queue}",
+        ),
+        (
+            math.isfinite(config.max_queue_time_s) and config.max_queue_time_s >= 0,
+            "--max-queue-time must be a finite number of seconds >= 0 (0: no limit), got"
+            f" {config.max_queue_time_s}",
+        ),
     )
     for ok, message in checks:
         if not ok:
@@ -124,6 +139,8 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         max_prompt_tokens=min(config.max_prompt_tokens or n_ctx - 1, n_ctx - 1),
         max_new_tokens=min(config.max_new_tokens or n_ctx, n_ctx),
         idle_timeout_s=config.idle_timeout_s,
+        max_queue=config.max_queue,
+        max_queue_time_s=config.max_queue_time_s,
     )
 
     slots = SlotAllocator(config.max_sessions, n_ctx)

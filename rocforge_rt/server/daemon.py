@@ -7,7 +7,9 @@ work to the engine thread (engine_loop.py), and forwards that thread's replies.
 `metrics` answers with the Prometheus text of the daemon's metrics (metrics.py).
 It never waits on the engine, so it answers during a long prefill. Replies that do not
 fit a client's queue wait in a backlog bounded in messages and bytes (backlog.py). The two
-threads share the job board (jobs.py). Sessions answer to their token, never to a
+threads share the job board (jobs.py), which admits a request that needs a session slot
+when none is free to a bounded first-come queue (--max-queue, --max-queue-time) and
+answers `busy` past it. Sessions answer to their token, never to a
 routing id; off loopback the operator ops need the operator key (access.py).
 
 Start-up: the bind address and memory budget (config.py) are checked before
@@ -91,14 +93,16 @@ class Daemon:
         found = plan(config, engine_hook)
         self.limits = found.limits
         self.config = config
-        self.board = JobBoard(found.slots, config.max_sessions_per_client)  # the engine's slots
+        self.board = JobBoard(  # the engine's slots, and the queue of requests waiting for one
+            found.slots, config.max_sessions_per_client, config.max_queue
+        )
         self._loopback = is_loopback_endpoint(config.bind)
         self.metrics = DaemonMetrics(
             usage=lambda: self.engine_loop.usage,
             runtime=lambda: self.engine_loop.runtime_stats,
-            waiting=lambda: self.board.counts().get("waiting", 0),
+            waiting=lambda: self.board.counts()["waiting"],
         )
-        self.latency = LatencyRecorder(observers=[self.metrics.observe_request])
+        self.latency = LatencyRecorder(observer=self.metrics)
         self._draining = False
         self.error: Exception | None = None
         self._stop_requested = threading.Event()
@@ -283,7 +287,8 @@ class Daemon:
 
     def _slow_peer(self, peer: bytes) -> None:
         messages, nbytes = self._backlog.drop(peer)
-        self.board.cancel_peer(peer, CancelCause.DISCONNECT)
+        if self.board.cancel_peer(peer, CancelCause.DISCONNECT):
+            self.engine_loop.wake()  # a request of its waiting for a slot ends now
         if peer in self._slow_peers:
             return
         if len(self._slow_peers) >= MAX_SLOW_PEERS_LOGGED:
@@ -404,7 +409,9 @@ class Daemon:
             )
         handler = {
             "info": self._info,
-            "stats": lambda r: queries.stats(self.engine_loop, self.latency, r, self._uptime()),
+            "stats": lambda r: queries.stats(
+                self.engine_loop, self.latency, r, self._uptime(), self._queue(r.reset)
+            ),
             "trace": lambda r: queries.trace(self.engine_loop, r),
             "metrics": lambda _r: {"text": self.metrics.exposition().decode()},
             "profile": lambda r: queries.profile(self.engine_loop, r),
@@ -430,6 +437,14 @@ class Daemon:
             "state": str(state),
             "uptime_s": self._uptime(),
             **self.board.counts(),
+            "max_queue": self.config.max_queue,
+        }
+
+    def _queue(self, reset: bool) -> dict[str, Any]:
+        """The queue of requests waiting for a session slot, for `stats`."""
+        return {
+            **self.board.queue(reset_peak=reset),
+            "max_queue_time_s": self.config.max_queue_time_s,
         }
 
     def _uptime(self) -> float:
@@ -450,6 +465,8 @@ class Daemon:
                 "prefill_chunk": self.config.prefill_chunk,
                 "max_sessions_per_client": self.config.max_sessions_per_client
                 or limits.max_sessions,
+                "max_queue": limits.max_queue,
+                "max_queue_time_s": limits.max_queue_time_s,
             },
         }
 
@@ -465,4 +482,6 @@ class Daemon:
         aborted = self.board.cancel(
             job.peer, CancelCause.CLIENT, request=request.request, session=request.session
         )
+        if aborted:
+            self.engine_loop.wake()  # a request waiting for a slot ends now, not at a timeout
         return {"aborted": aborted}

@@ -9,10 +9,14 @@ forwards to clients, so neither waits on the other.
 
 Jobs reach this thread through the prompt thread (prompts.py), which tokenizes their
 prompts on the way. Each iteration takes new jobs (lifecycle.py starts them) and notices of
-clients gone, ends those the policy finds cancelled or past their deadline,
+clients gone, ends those the policy finds cancelled, past their deadline or waiting for a
+session slot past --max-queue-time, gives the free slots to the jobs waiting for one
+(oldest first: a slot a `close` freed goes to a waiting job in the same iteration),
 then runs the step the policy plans (policy.py): the next token of every decoding job
 and prompt chunks of the jobs still prefilling, oldest first, within a token budget
-(Engine.step). The replies each stage made go out after it.
+(Engine.step). The replies each stage made go out after it. With nothing to step, the
+thread waits for new jobs, never past the moment a waiting job runs out of time (nor a
+second); the I/O thread `wake`s it when an `abort` flags a job.
 
 `stop` is heard while the engine loads and warms up too: the weights' upload
 stops between layers and the warm-up between steps, and the thread ends
@@ -36,7 +40,15 @@ from rocforge_rt.errors import LoadCancelled
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.op_timer import OpTimer
-from rocforge_rt.server.jobs import Cancelled, Failed, Job, JobBoard, Limits, PeerGone
+from rocforge_rt.server.jobs import (
+    CancelCause,
+    Cancelled,
+    Failed,
+    Job,
+    JobBoard,
+    Limits,
+    PeerGone,
+)
 from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.logs import ThroughputLog
 from rocforge_rt.server.policy import StepPolicy
@@ -48,6 +60,7 @@ from rocforge_rt.server.translate import max_token_bytes
 log = logging.getLogger("rocforge.server")
 
 END_OF_REPLIES = b""  # the last message the engine thread sends: it has stopped
+WAKE = object()  # an inbox item that only wakes the engine thread (a job was flagged)
 RUNTIME_STATS_INTERVAL_S = 0.1  # how often the backend's runtime counters are read
 
 
@@ -71,7 +84,7 @@ class EngineLoop:
         self._latency = latency
         self._context = context
         self._reply_endpoint = reply_endpoint
-        self._inbox: queue.SimpleQueue[Job | PeerGone | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | PeerGone | object | None] = queue.SimpleQueue()
         self._prompts = PromptThread(self._tokenizer, self._inbox.put)
         self._policy = StepPolicy()
         self._outbox = Outbox()
@@ -95,6 +108,11 @@ class EngineLoop:
     # --- called from the I/O thread -------------------------------------------------------
     def submit(self, job: Job | PeerGone) -> None:
         self._prompts.submit(job)
+
+    def wake(self) -> None:
+        """Have the engine thread look at the jobs now, if it waits for new ones (a job waiting
+        for a slot was flagged: it ends at once, not at the next timeout)."""
+        self._inbox.put(WAKE)
 
     def reset_stats(self) -> None:
         """Ask for the backend's runtime counters to be cleared (done on the engine thread)."""
@@ -226,7 +244,7 @@ class EngineLoop:
         the op timer's `loop` (from its start, or from the end of a wait for work)."""
         policy, lifecycle, clock = self._policy, self._lifecycle, time.perf_counter_ns
         while True:
-            busy = policy.busy
+            busy = policy.busy or (policy.waiting and self._board.slot_free())
             started = clock()
             self._take_jobs(block=not busy)
             if not busy:
@@ -237,6 +255,10 @@ class EngineLoop:
             now = time.perf_counter()
             for job, cause in policy.due_to_cancel(now):
                 lifecycle.end(job, Cancelled(cause))
+            lifecycle.end_overdue(now)
+            if self._stopping:  # flagged by the I/O thread already: no waiting job starts now
+                for job in list(policy.waiting):
+                    lifecycle.end(job, Cancelled(job.cancel or CancelCause.SHUTDOWN))
             self._flush()
             if self._stopping and not policy.busy:
                 for live in list(lifecycle.sessions.values()):
@@ -244,6 +266,7 @@ class EngineLoop:
                 self._publish_usage()
                 return
             lifecycle.reap_idle(now)
+            lifecycle.start_waiting()  # the slots freed so far, this iteration's included
             decode, chunks = policy.plan(self.engine.step_budget, self._pending_prompt_tokens)
             step = self._step(decode, chunks) if decode or chunks else None
             if not self._flush():  # usage is published once an iteration, with any replies
@@ -254,12 +277,13 @@ class EngineLoop:
                 self.op_timer.loop(kind, clock() - started, engine_ns)
 
     def _take_jobs(self, *, block: bool) -> None:
-        timeout = min(1.0, self.limits.idle_timeout_s / 4)
         try:
-            job = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            job = self._inbox.get(timeout=self._idle_wait()) if block else self._inbox.get_nowait()
             while True:
                 if job is None:
                     self._stopping = True
+                elif job is WAKE:
+                    pass
                 elif isinstance(job, PeerGone):
                     self._lifecycle.peer_gone(job)
                     self._flush()
@@ -269,6 +293,15 @@ class EngineLoop:
                 job = self._inbox.get_nowait()
         except queue.Empty:
             return
+
+    def _idle_wait(self) -> float:
+        """How long to wait for new jobs with nothing to step: the idle reaper's interval (a
+        second at most), and no later than the first waiting job's deadline or limit."""
+        timeout = min(1.0, self.limits.idle_timeout_s / 4)
+        due = self._policy.next_due(self.limits.max_queue_time_s)
+        if due is not None:
+            timeout = min(timeout, max(0.0, due - time.perf_counter()))
+        return timeout
 
     # --- the step -----------------------------------------------------------------------------
     def _pending_prompt_tokens(self, job: Job) -> int:
@@ -320,7 +353,7 @@ class EngineLoop:
     def _fail_everything(self, message: str) -> None:
         """After a bug in the loop: end every job running or queued with an internal error."""
         self._prompts.finish()  # everything submitted so far is in the inbox
-        jobs = [*self._policy.prefilling, *self._policy.decoding]
+        jobs = [*self._policy.waiting, *self._policy.prefilling, *self._policy.decoding]
         while True:
             try:
                 job = self._inbox.get_nowait()

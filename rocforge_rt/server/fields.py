@@ -27,7 +27,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_SESSION = "unknown_session"  # never opened, closed, expired, or another client's
     SESSION_BUSY = "session_busy"  # a request of this session is still running
     TURN_FINISHED = "turn_finished"  # the session's turn has ended: append another one
-    BUSY = "busy"  # every session slot is taken
+    BUSY = "busy"  # every session slot is taken and the queue full, or it waited too long
     CONTEXT_FULL = "context_full"  # the turn does not fit in the session's context window
     TOO_LARGE = "too_large"  # the request is larger than the daemon accepts
     LIMIT_EXCEEDED = "limit_exceeded"  # over --max-prompt-tokens or --max-new-tokens

@@ -10,13 +10,17 @@ which session, and the requests in flight (so `abort` is answered at once, by
 flagging the job for the engine thread to end, from the moment the job is
 accepted). Session slots are counted in one place only, the engine's slot
 allocator (engine/kv_cache.py), which the board shares: a job that will open a
-session takes a real slot when it is accepted (so a full daemon answers `busy`
-at once) and holds it until its session takes it over or the job ends. A session
-belongs to the holder of its token (access.py); the board also counts the sessions
-each client opened, for --max-sessions-per-client.
+session takes a real slot when it is accepted and holds it until its session takes
+it over or the job ends. When no slot is free, or others already wait for one, it
+waits: the board counts the jobs waiting (at most --max-queue; past that the job is
+`busy` at once), and the engine thread keeps them in arrival order (policy.py) and
+gives each freed slot to the oldest (`grant`). A session belongs to the holder of its
+token (access.py); the board also counts the sessions each client opened, for
+--max-sessions-per-client.
 """
 
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -48,12 +52,15 @@ class Limits:
     max_prompt_tokens: int
     max_new_tokens: int
     idle_timeout_s: float
+    max_queue: int = 0  # jobs that may wait for a session slot; 0: none (busy at once)
+    max_queue_time_s: float = 0.0  # the longest a job waits for a slot; 0: no limit
 
 
 class JobState(StrEnum):
     """Where a job is (the table in lifecycle.py says how it moves)."""
 
     QUEUED = "queued"  # accepted by the I/O thread, waiting in the engine thread's inbox
+    WAITING = "waiting"  # an open or one-shot generate waiting for a session slot (FIFO)
     PREFILLING = "prefilling"  # its turn's prompt goes through the engine chunk by chunk
     DECODING = "decoding"  # in the decode batch: one token a step
     ENDED = "ended"  # its final reply is made; it holds nothing
@@ -68,6 +75,8 @@ class Job:
     received: float  # perf_counter() at receipt
     cancel: CancelCause | None = None  # set by the I/O thread
     slot: int | None = None  # a KV slot taken at admission, until its session takes it over
+    waits: bool = False  # counted in the board's queue: no slot yet (under the board's lock)
+    waited: float | None = None  # seconds from receipt to its slot (or to its end without one)
     user: str | None = None  # the client's CURVE public key (z85); None without CURVE
     token: str | None = None  # the token of the session it opened, until its first reply
     turn_ids: list[int] | Exception | None = None  # its turn's prompt ids (prompts.py)
@@ -143,25 +152,47 @@ class Closed:
 Outcome = Finished | Failed | Cancelled | Closed
 
 
+def slots_in_use(n_slots: int) -> str:
+    """That every one of the daemon's session slots is in use, in words naming the flag."""
+    if n_slots == 1:
+        return "the only session slot (--max-sessions 1) is in use"
+    return f"all {n_slots} session slots (--max-sessions {n_slots}) are in use"
+
+
+def _requests(n: int) -> str:
+    return "1 request is" if n == 1 else f"{n} requests are"
+
+
 class JobBoard:
-    """Session owners and in-flight requests, shared by the I/O and engine threads.
+    """Session owners, in-flight requests and the queue's count, shared by the I/O and
+    engine threads.
 
     A session slot is the slot allocator's; its holder is either a job that will open a
-    session (`job.slot`, from `admit` until `session_opened` or `retire`) or an open
-    session (until the engine closes it). The board keeps no count of its own.
+    session (`job.slot`, from `admit` or `grant` until `session_opened` or `retire`) or an
+    open session (until the engine closes it). The board keeps no count of slots of its
+    own; it counts the jobs waiting for one (`job.waits`, from `admit` until `grant` or
+    `retire`), so that no new job takes a slot ahead of them.
     """
 
-    def __init__(self, slots: SlotAllocator, max_sessions_per_client: int | None = None) -> None:
+    def __init__(
+        self,
+        slots: SlotAllocator,
+        max_sessions_per_client: int | None = None,
+        max_queue: int = 0,
+    ) -> None:
         self._lock = threading.Lock()
         self._slots = slots
         self._quota = max_sessions_per_client  # None: only the slots limit
+        self.max_queue = max_queue  # 0: no queue, a full daemon answers busy at once
+        self._waiting = 0  # jobs with `waits` set
+        self._peak_waiting = 0  # the most there were since start or `reset_peak`
         self._owners: dict[int, Owner] = {}  # open session -> who opened it (its token)
         self._by_id: dict[tuple[bytes, int | str], Job] = {}
         self._jobs: set[Job] = set()
 
     def admit(self, job: Job) -> None:
         """Register a request; ProtocolError for a duplicate id, or `busy` when it needs a
-        session slot and none is free."""
+        session slot and can neither take one (none free, or others wait) nor wait."""
         key = (job.peer, job.request.id)
         with self._lock:
             if job.request.id is not None and key in self._by_id:
@@ -170,15 +201,53 @@ class JobBoard:
                 )
             if job.opens_session:
                 self._check_quota(job)
-                try:
-                    job.slot = self._slots.acquire()
-                except EngineError:
-                    raise ProtocolError(
-                        ErrorCode.BUSY, "every session slot is in use; retry later"
-                    ) from None
+                self._take_slot_or_wait(job)
             if job.request.id is not None:
                 self._by_id[key] = job
             self._jobs.add(job)
+
+    def _take_slot_or_wait(self, job: Job) -> None:
+        """A free slot when nobody waits; else a place in the queue; else `busy` (call with
+        the lock held)."""
+        if self._waiting == 0:
+            try:
+                job.slot = self._slots.acquire()
+            except EngineError:
+                pass
+            else:
+                job.waited = time.perf_counter() - job.received
+                return
+        if self._waiting >= self.max_queue:
+            queue = (
+                "the queue is off (--max-queue 0)"
+                if self.max_queue == 0
+                else f"{_requests(self._waiting)} waiting, the queue's limit (--max-queue"
+                f" {self.max_queue})"
+            )
+            raise ProtocolError(
+                ErrorCode.BUSY, f"{slots_in_use(self._slots.n_slots)} and {queue}; retry later"
+            )
+        job.waits = True
+        self._waiting += 1
+        self._peak_waiting = max(self._peak_waiting, self._waiting)
+
+    def grant(self, job: Job) -> bool:
+        """Give a waiting job a free slot (the engine thread, oldest job first); False when
+        none is free."""
+        with self._lock:
+            if not job.waits:
+                raise ValueError(f"request {job.request.id!r} is not waiting for a slot")
+            try:
+                job.slot = self._slots.acquire()
+            except EngineError:
+                return False
+            job.waits = False
+            self._waiting -= 1
+            job.waited = time.perf_counter() - job.received
+            return True
+
+    def slot_free(self) -> bool:
+        return self._slots.free > 0
 
     def _check_quota(self, job: Job) -> None:
         """`busy` when the job's client (routing id, or CURVE key) already has its quota of
@@ -186,7 +255,7 @@ class JobBoard:
         if self._quota is None:
             return
         owners = self._owners.values()
-        opening = [j for j in self._jobs if j.slot is not None]  # slots not yet a session's
+        opening = [j for j in self._jobs if j.slot is not None or j.waits]  # no session yet
         counts = [
             sum(o.peer == job.peer for o in owners) + sum(j.peer == job.peer for j in opening)
         ]
@@ -202,11 +271,15 @@ class JobBoard:
             )
 
     def retire(self, job: Job) -> None:
-        """Take an ended job off the board; a slot it took and no session took over goes back."""
+        """Take an ended job off the board; a slot it took and no session took over goes back,
+        and a job still waiting for one leaves the queue."""
         with self._lock:
             self._jobs.discard(job)
             if self._by_id.get((job.peer, job.request.id)) is job:
                 del self._by_id[(job.peer, job.request.id)]
+            if job.waits:
+                job.waits = False
+                self._waiting -= 1
             slot, job.slot = job.slot, None
         if slot is not None:
             self._slots.release(slot)
@@ -277,4 +350,17 @@ class JobBoard:
                 "in_flight": len(self._jobs),
                 "sessions": len(self._owners),
                 "slots_free": self._slots.free,
+                "waiting": self._waiting,
             }
+
+    def queue(self, *, reset_peak: bool = False) -> dict[str, int]:
+        """The queue's depth, its peak since the start (or the last reset) and its limit."""
+        with self._lock:
+            depth = {
+                "waiting": self._waiting,
+                "peak_waiting": self._peak_waiting,
+                "max_queue": self.max_queue,
+            }
+            if reset_peak:
+                self._peak_waiting = self._waiting
+            return depth

@@ -3,13 +3,20 @@
 States (jobs.JobState) and how a job moves between them:
 
     QUEUED ──start──▶ PREFILLING ──first token, the turn goes on──▶ DECODING
-      │ └──────────── start: step, generate on a session ────────────▲    │
-      │                   │                                               │
-      └───────────────────┴────────────── end(job, outcome) ──────────────┴──▶ ENDED
+      │ │ │            ▲     │                                        ▲    │
+      │ │ └─▶ WAITING ─┘     │ a free slot: the oldest waiting starts │    │
+      │ │         │          │                                        │    │
+      │ └─────────┼──────────┼─── start: step, generate on a session ─┘    │
+      │           │          │                                             │
+      └───────────┴──────────┴──────── end(job, outcome) ──────────────────┴──▶ ENDED
 
 | from       | to         | when                                                            |
 | ---------- | ---------- | --------------------------------------------------------------- |
 | QUEUED     | PREFILLING | `start` of an open, append or one-shot generate: prompt queued  |
+| QUEUED     | WAITING    | `start` of an open or one-shot generate that the board admitted |
+|            |            | to its queue (no slot free, or others waiting): checked, parked |
+| WAITING    | PREFILLING | `start_waiting`: a slot is free and it is the oldest waiting;   |
+|            |            | it starts as if it had just been admitted with that slot        |
 | QUEUED     | DECODING   | `start` of a step, or of a generate on an open session          |
 | PREFILLING | DECODING   | the first token of a generate whose turn goes on (policy.py)    |
 | any        | ENDED      | `end(job, outcome)`, the only way out, with the final reply     |
@@ -18,19 +25,21 @@ States (jobs.JobState) and how a job moves between them:
 | ---------------------- | ---------------------------------------------------------------- |
 | Finished(reason, ...)  | its last tokens and `finish_reason` (None: the turn goes on)     |
 | Failed(code, ...)      | an error; `finish_reason: error` when the engine failed mid-turn |
-| Cancelled(cause)       | QUEUED: `aborted` "before it started"; no token yet: `aborted`   |
-|                        | (`deadline_exceeded` for a deadline); else its tokens so far     |
-|                        | with `finish_reason: abort` and `abort_reason`                   |
+|                        | (WAITING past --max-queue-time: `busy`, naming the wait)         |
+| Cancelled(cause)       | QUEUED or WAITING: `aborted` "before it started"; no token yet:  |
+|                        | `aborted` (`deadline_exceeded` for a deadline); else its tokens  |
+|                        | so far with `finish_reason: abort` and `abort_reason`            |
 | Closed(context_tokens) | a `close`'s `closed: true`                                       |
 
 What `end` releases, once each:
 
 | what the job holds                          | at its end                                   |
 | ------------------------------------------- | -------------------------------------------- |
+| its place among the jobs waiting for a slot | left; the board's count of them goes down    |
 | its place in the prefill or decode queue    | left                                         |
 | its board entry (in flight, its request id) | removed                                      |
-| the KV slot it took when accepted (open,    | back to the allocator; or, once it opened    |
-| one-shot generate)                          | its session, the session's until that closes |
+| the KV slot it took when accepted or when   | back to the allocator; or, once it opened    |
+| its wait ended (open, one-shot generate)    | its session, the session's until that closes |
 | the session it opened                       | closed for a one-shot generate, and for an   |
 |                                             | open that ends before its first token        |
 | any other session it ran on                 | stays open, idle from now                    |
@@ -40,7 +49,8 @@ released twice): `end` returns False.
 
 Closing a session (`close_session`) is a separate operation, for the client's
 `close`, the idle reaper, a client's vanishing (`peer_gone`) and shutdown: the
-session's KV slot goes back to the engine's allocator. A job running on the
+session's KV slot goes back to the engine's allocator (the engine thread gives it to
+the oldest job waiting for one before its next step). A job running on the
 session is ended first (abort_reason `close`, or `disconnect`); when that job had
 opened the session (a one-shot generate, an open still in prefill), its end
 closes the session, and the close does not close it again.
@@ -70,6 +80,7 @@ from rocforge_rt.server.jobs import (
     Limits,
     Outcome,
     PeerGone,
+    slots_in_use,
 )
 from rocforge_rt.server.logs import log_request_end
 from rocforge_rt.server.policy import Emit, StepPolicy
@@ -129,14 +140,16 @@ class Lifecycle:
 
     # --- QUEUED -> PREFILLING, DECODING, or ENDED at once -------------------------------------
     def start(self, job: Job) -> None:
-        """Start a job from the inbox; a close, a refusal or a job cancelled while queued ends
-        here."""
+        """Start a job from the inbox (or one the queue gave a slot); a close, a refusal or a
+        job cancelled while queued ends here; one admitted without a slot waits for one."""
         try:
             op = job.request.op
             if job.cancel is not None:
                 self.end(job, Cancelled(job.cancel))
             elif op == "close":
                 self._close(job)
+            elif job.opens_session and job.waits:
+                self._wait(job)
             elif job.opens_session:
                 self._open(job)
             elif op == "append":
@@ -150,6 +163,30 @@ class Lifecycle:
         except Exception as exc:
             log.exception("request %r failed", job.request.id)
             self.end(job, Failed(ErrorCode.INTERNAL, f"internal error: {exc}"))
+
+    def _wait(self, job: Job) -> None:
+        """Park a job the board admitted to its queue; a turn the daemon would refuse anyway
+        is refused now, not once a slot frees."""
+        turn_args(self.limits, self.engine.hparams.n_vocab, job.request.turn, _turn_ids(job))
+        self.policy.wait_for_slot(job)
+
+    def start_waiting(self) -> None:
+        """Give the free slots to the jobs waiting for one, oldest first: each starts as if it
+        had just been admitted with its slot (a refusal gives the slot back for the next)."""
+        while (job := self.policy.oldest_waiting()) is not None and self.board.grant(job):
+            self.policy.waiting.popleft()
+            self.start(job)
+
+    def end_overdue(self, now: float) -> None:
+        """End the jobs that have waited --max-queue-time for a slot: `busy`."""
+        limit = self.limits.max_queue_time_s
+        for job in self.policy.overdue(now, limit):
+            message = (
+                f"waited {now - job.received:.1f} s for a session slot, the limit"
+                f" (--max-queue-time {limit:g}): {slots_in_use(self.engine.slots.n_slots)};"
+                " retry later"
+            )
+            self.end(job, Failed(ErrorCode.BUSY, message))
 
     def _open(self, job: Job) -> None:
         turn = job.request.turn
@@ -177,7 +214,7 @@ class Lifecycle:
 
     def _queue_prefill(self, job: Job, prompt_tokens: int) -> None:
         job.prompt_tokens = prompt_tokens
-        job.timer = self.latency.begin(job.request.op, job.received, ttft=True)
+        job.timer = self.latency.begin(job.request.op, job.received, ttft=True, wait_s=job.waited)
         self.policy.queue_prefill(job)
 
     def _continue(self, job: Job) -> None:
@@ -245,11 +282,16 @@ class Lifecycle:
             return False
         live = self.sessions.get(job.session_id) if job.session_id is not None else None
         reply = self._final_reply(job, live, outcome)  # before its session may close
-        job.state = JobState.ENDED
         self.policy.remove(job)
+        job.state = JobState.ENDED
         self.board.retire(job)
         self.outbox.add(job, reply)
-        log_request_end(job.request.op, job.request.id, reply)
+        if job.opens_session:  # its wait for a slot, over now if it had none
+            if job.waited is None:
+                job.waited = time.perf_counter() - job.received
+            self.latency.add_wait(job.waited)
+        wait_ms = None if job.waited is None else job.waited * 1000.0
+        log_request_end(job.request.op, job.request.id, reply, wait_ms=wait_ms)
         if live is not None and live.job is job:
             live.job = None
             live.last_used = time.perf_counter()
@@ -278,7 +320,7 @@ class Lifecycle:
     ) -> dict[str, Any]:
         """An error when it produced nothing yet, else its tokens so far, finish `abort`."""
         code = ErrorCode.DEADLINE_EXCEEDED if cause is CancelCause.DEADLINE else ErrorCode.ABORTED
-        if job.state is JobState.QUEUED:
+        if job.state in (JobState.QUEUED, JobState.WAITING):
             return job_error_reply(job, code, f"aborted ({cause}) before it started")
         session = live.session
         held = "" if session.finished else session.finish(FinishReason.ABORT)

@@ -4,8 +4,9 @@ Lines are timestamped and levelled; `--log-format json` writes each as one JSON 
 (`time`, `level`, `logger`, `message`, and the line's fields, such as a finished
 request's figures) for log shippers. Anything a client chose (a request id) is logged as
 a Python literal, so it cannot forge a line of its own. A request gets its line when the
-engine thread ends it (lifecycle.py); those the I/O thread refuses up front (malformed,
-busy, over a bound) get none, so a flood of them cannot flood the log.
+engine thread ends it (lifecycle.py), with the time it waited for a session slot when it
+needed one; those the I/O thread refuses up front (malformed, busy, over a bound) get
+none, so a flood of them cannot flood the log.
 """
 
 import json
@@ -48,11 +49,16 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def request_fields(op: str, request_id: Any, reply: dict[str, Any]) -> dict[str, Any]:
-    """What a finished request's line says, from its final reply."""
+def request_fields(
+    op: str, request_id: Any, reply: dict[str, Any], wait_ms: float | None = None
+) -> dict[str, Any]:
+    """What a finished request's line says, from its final reply (and `wait_ms`, how long it
+    waited for a session slot; None: it needed none)."""
     fields: dict[str, Any] = {"request_id": request_id, "op": op}
     if "error" in reply:
         fields["error"] = reply["error"]["code"]
+    if wait_ms is not None:
+        fields["wait_ms"] = round(wait_ms, 3)
     usage, timings = reply.get("usage", {}), reply.get("timings", {})
     for key in ("prompt_tokens", "completion_tokens"):
         if key in usage:
@@ -69,14 +75,18 @@ def request_fields(op: str, request_id: Any, reply: dict[str, Any]) -> dict[str,
     return fields
 
 
-def log_request_end(op: str, request_id: Any, reply: dict[str, Any]) -> None:
+def log_request_end(
+    op: str, request_id: Any, reply: dict[str, Any], *, wait_ms: float | None = None
+) -> None:
     """One line for a request that ended, whatever ended it."""
     if not log.isEnabledFor(logging.INFO):
         return
-    f = request_fields(op, request_id, reply)
+    f = request_fields(op, request_id, reply, wait_ms)
     parts = []
     if "error" in f:
         parts.append(f"failed ({f['error']})")
+    if "wait_ms" in f:
+        parts.append(f"waited {f['wait_ms']:.1f} ms for a slot")
     if "prompt_tokens" in f:
         parts.append(
             f"{f['prompt_tokens']} prompt + {f.get('completion_tokens', 0)} generated tokens"

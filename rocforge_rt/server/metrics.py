@@ -9,8 +9,8 @@ needs only the prefix changed): `time_to_first_token_seconds`,
 of each step, and from a GPU backend launches per step, graph replays and the argument
 cache's hits and misses.
 
-Requests and steps are observed as they end (the engine thread: `observe_request` is a
-LatencyRecorder observer, `observe_step` the engine loop's); gauges and the backend's
+Requests, queue waits and steps are observed as they end (the engine thread: this is the
+LatencyRecorder's observer, and `observe_step` the engine loop's); gauges and the backend's
 counters are read when scraped (`exposition`, from the I/O thread) from what the engine
 thread publishes, so a scrape never waits on the engine. The backend's counters restart
 when an operator resets `stats`, which Prometheus takes as a counter reset.
@@ -100,7 +100,7 @@ class DaemonMetrics:
         registry.register(_ScrapedMetrics(usage, runtime, waiting))
 
     def observe_request(self, record: RequestRecord, gaps_s: Sequence[float]) -> None:
-        """A request that ended (a LatencyRecorder observer)."""
+        """A request that ended."""
         if record.ttft_ms is not None:
             self.ttft.observe(record.ttft_ms / 1000.0)
         for gap in gaps_s:
@@ -110,9 +110,9 @@ class DaemonMetrics:
         self.generation_tokens.inc(record.completion_tokens)
         self.finished.labels(record.finish_reason or "none").inc()
 
-    def observe_queue_time(self, seconds: float) -> None:
-        """A request that waited for a session slot (or took one at once: 0)."""
-        self.queue_time.observe(seconds)
+    def observe_wait(self, wait_s: float) -> None:
+        """A request's wait for a session slot (0: it took a free one at once)."""
+        self.queue_time.observe(wait_s)
 
     def observe_step(self, decoded: int) -> None:
         """An engine step that gave `decoded` sessions a token (none: not observed)."""

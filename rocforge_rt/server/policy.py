@@ -3,10 +3,14 @@
 Pure: jobs in, decisions out; no engine, no sockets, no clock of its own. Each
 engine-thread iteration asks, in order:
 
-1. `due_to_cancel(now)`: running jobs flagged by the I/O thread (abort, close,
-   disconnect, shutdown) or past their deadline. They are ended before the step,
-   so a request stops within one step.
-2. `plan(budget, pending)`: one scheduler step (vLLM V1's unified scheduling) of at
+1. `due_to_cancel(now)`: running and waiting jobs flagged by the I/O thread (abort,
+   close, disconnect, shutdown) or past their deadline, then `overdue(now, limit)`:
+   jobs that have waited for a session slot as long as --max-queue-time allows. They
+   are ended before the step, so a request stops within one step.
+2. The jobs waiting for a session slot (`waiting`, in arrival order) take the slots
+   that are free, oldest first (lifecycle.py starts them); `next_due` says when the
+   next waiting job runs out of time, so that the engine thread, idle, wakes for it.
+3. `plan(budget, pending)`: one scheduler step (vLLM V1's unified scheduling) of at
    most `budget` tokens: the next token of every decoding job first, then prompt
    chunks of the jobs still prefilling, oldest first, as many as fit (a long prompt
    takes what is left of each step; prompts arriving together prefill together, and
@@ -38,9 +42,11 @@ class Emit(StrEnum):
 
 
 class StepPolicy:
-    """The prefill queue (oldest first) and the decode batch (in order of arrival)."""
+    """The jobs waiting for a session slot and the prefill queue (oldest first), and the
+    decode batch (in order of arrival)."""
 
     def __init__(self) -> None:
+        self.waiting: deque[Job] = deque()
         self.prefilling: deque[Job] = deque()
         self.decoding: list[Job] = []
 
@@ -49,8 +55,35 @@ class StepPolicy:
         """Whether the next step has work."""
         return bool(self.prefilling or self.decoding)
 
+    def wait_for_slot(self, job: Job) -> None:
+        """QUEUED -> WAITING: an open or one-shot generate that has no session slot yet."""
+        job.state = JobState.WAITING
+        self.waiting.append(job)
+
+    def oldest_waiting(self) -> Job | None:
+        return self.waiting[0] if self.waiting else None
+
+    def overdue(self, now: float, limit_s: float) -> list[Job]:
+        """Waiting jobs that have waited `limit_s` (0: no limit) since their receipt."""
+        due = []
+        if limit_s > 0:
+            for job in self.waiting:  # in arrival order: the first still in time ends the scan
+                if now - job.received < limit_s:
+                    break
+                due.append(job)
+        return due
+
+    def next_due(self, limit_s: float) -> float | None:
+        """The earliest moment a waiting job reaches its deadline or the wait limit (None:
+        nothing waits, or nothing waiting has either)."""
+        times = [job.deadline for job in self.waiting if job.deadline is not None]
+        if limit_s > 0 and self.waiting:
+            times.append(self.waiting[0].received + limit_s)  # the oldest is due first
+        return min(times, default=None)
+
     def queue_prefill(self, job: Job) -> None:
-        """QUEUED -> PREFILLING: its turn's prompt is in the session (open, append, generate)."""
+        """QUEUED (or WAITING, given a slot) -> PREFILLING: its turn's prompt is in the session
+        (open, append, generate)."""
         job.state = JobState.PREFILLING
         self.prefilling.append(job)
 
@@ -62,9 +95,10 @@ class StepPolicy:
         self.decoding.append(job)
 
     def due_to_cancel(self, now: float) -> list[tuple[Job, CancelCause]]:
-        """Running jobs to end before the step: flagged by the I/O thread, or past deadline."""
+        """Jobs to end before the step, running or waiting for a slot: flagged by the I/O
+        thread, or past their deadline."""
         due = []
-        for job in [*self.prefilling, *self.decoding]:
+        for job in [*self.waiting, *self.prefilling, *self.decoding]:
             deadline = job.deadline
             if job.cancel is not None:
                 due.append((job, job.cancel))
@@ -106,7 +140,9 @@ class StepPolicy:
         return Finished(event.finish_reason, events)
 
     def remove(self, job: Job) -> None:
-        """Take an ending job out of the queues (nothing when it is in neither)."""
+        """Take an ending job out of the queues (nothing when it is in none)."""
+        if job.state is JobState.WAITING and job in self.waiting:
+            self.waiting.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)
         if job in self.decoding:

@@ -15,8 +15,13 @@ from rocforge_rt.server.protocol import Request
 
 
 def stats(
-    engine_loop: EngineLoop, latency: LatencyRecorder, request: Request, uptime_s: float
+    engine_loop: EngineLoop,
+    latency: LatencyRecorder,
+    request: Request,
+    uptime_s: float,
+    queue: dict[str, Any],
 ) -> dict[str, Any]:
+    """`queue`: the requests waiting for a session slot (depth, peak, limits: daemon.py)."""
     timer = engine_loop.op_timer
     overhead = timer.snapshot()
     runtime = engine_loop.runtime_stats
@@ -25,6 +30,7 @@ def stats(
         "overhead": overhead,
         "recommendations": recommend(overhead, runtime),
         **engine_loop.usage,
+        "queue": queue,
         "uptime_s": uptime_s,
     }
     if runtime is not None:

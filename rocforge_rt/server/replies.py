@@ -134,6 +134,8 @@ def final_reply(
         timings["itl_ms_mean"] = record.itl_ms_mean
     if job.prefill_started is not None:
         timings["queue_ms"] = (job.prefill_started - job.received) * 1000.0
+    if record.wait_ms is not None:
+        timings["wait_ms"] = record.wait_ms
     extra: dict[str, Any] = {}
     if abort_reason is not None:
         extra["abort_reason"] = str(abort_reason)
