@@ -367,8 +367,10 @@ def test_past_the_daemons_queue_a_request_is_a_429(url: str, model: str, daemon:
     with httpx.Client(base_url=url, timeout=120) as http:
         holding = []
         queued: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: queued.append(
-            http.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})))  # fmt: skip
+        short = {**body, "max_tokens": 2, "stream": False}
+        waiter = threading.Thread(
+            target=lambda: queued.append(http.post("/v1/completions", json=short))
+        )
         try:
             for _ in range(2):  # every session slot (--max-sessions 2)
                 stream = http.stream("POST", "/v1/completions", json=body)
