@@ -5,8 +5,6 @@ what requantizing cost. Last, a K-quant model end to end: convert, generate, ser
 
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -21,6 +19,7 @@ from gguf import (
     GGUFValueType,
     quants,
 )
+from test_cli import rocforge
 
 from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model import convert, default_model, kquants
@@ -480,18 +479,6 @@ def test_real_smollm2_converts_to_a_loadable_q4_0_model(source_gguf: Path, tmp_p
 
 
 # --- a K-quant model end to end: the commands a user runs --------------------------------------
-def rocforge(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "rocforge_rt.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`rocforge {' '.join(args)}` still running after {timeout} s")
-
-
 def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
     q4_k_m_model: Path, tmp_path: Path
 ) -> None:
