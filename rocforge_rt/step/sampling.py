@@ -168,7 +168,7 @@ def candidate_weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.nd
     order = rank_order(x)
     k = params.top_k if 0 < params.top_k < x.shape[0] else x.shape[0]
     candidates = order[:k]
-    with np.errstate(under="ignore"):
+    with np.errstate(under="ignore", over="ignore"):  # a tiny temperature: -inf, weight 0
         w = np.exp((x[candidates] - x.max()) / np.float32(params.temperature))
     return candidates, (w.astype(np.float32) * WEIGHT_SCALE).astype(np.uint64)
 
