@@ -1,7 +1,7 @@
 """Make the SentencePiece test model and llama.cpp's reference ids for it (tests/data).
 
     python3 -m venv /tmp/spmref
-    /tmp/spmref/bin/pip install sentencepiece llama-cpp-python gguf numpy tqdm
+    /tmp/spmref/bin/pip install sentencepiece llama-cpp-python gguf numpy tqdm tokenizers
     PYTHONPATH=. /tmp/spmref/bin/python scripts/make_spm_test_data.py
 
 1. Trains a small SentencePiece BPE vocabulary with Llama 2's tokenizer settings (byte

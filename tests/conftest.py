@@ -82,3 +82,20 @@ def gpu_driver():
     driver = cuda.CudaDriver()
     yield driver
     driver.close()
+
+
+@pytest.fixture(scope="session")
+def rope_reference():
+    """llama.cpp's last logits on the tiny-llama3 models (scripts/make_rope_test_data.py)."""
+    from rope_reference import load_reference
+
+    return load_reference()
+
+
+@pytest.fixture(scope="session")
+def llama3_models(tmp_path_factory: pytest.TempPathFactory, rope_reference) -> dict[str, Path]:
+    """The tiny-llama3 models the reference was made on, rewritten here: variant -> path.
+    Each file's content digest is the one llama.cpp ran on, or the reference is stale."""
+    from rope_reference import write_models
+
+    return write_models(rope_reference, tmp_path_factory.mktemp("llama3"))

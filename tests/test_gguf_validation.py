@@ -225,29 +225,135 @@ def test_missing_metadata_key(tiny_model: Path, tmp_path: Path) -> None:
     assert_mentions(message, "re-convert")
 
 
+# --- RoPE scaling: linear factors and rope_freqs.weight are read, other scaling refused ----
+
+
+def f32(value: float) -> GGUFValue:
+    return GGUFValue(value, GGUFValueType.FLOAT32)
+
+
+def with_metadata(tiny_model: Path, dst: Path, **values: GGUFValue) -> Path:
+    """tiny_model with `llama.<key>` metadata set (dots in keys written as `__`)."""
+    update = {f"llama.{key.replace('__', '.')}": value for key, value in values.items()}
+    return rewrite(tiny_model, dst, metadata=lambda m: m.update(update))
+
+
+LINEAR = GGUFValue("linear", GGUFValueType.STRING)
+
+
 @pytest.mark.parametrize(
-    ("key", "value", "found"),
+    ("values", "freq_scale"),
     [
-        ("llama.rope.scaling.type", GGUFValue("yarn", GGUFValueType.STRING), "'yarn'"),
-        ("llama.rope.scaling.factor", GGUFValue(8.0, GGUFValueType.FLOAT32), "8.0"),
+        ({"rope__scaling__type": LINEAR, "rope__scaling__factor": f32(4.0)}, 0.25),
+        ({"rope__scaling__factor": f32(2.0)}, 0.5),  # no type: llama.cpp's default, linear
+        ({"rope__scale_linear": f32(8.0)}, 0.125),  # the older key
+        # both keys: rope.scaling.factor wins, as in llama.cpp
+        ({"rope__scaling__factor": f32(2.0), "rope__scale_linear": f32(8.0)}, 0.5),
+        ({"rope__scaling__type": LINEAR, "rope__scaling__factor": f32(0.0)}, 1.0),  # 0: unset
+        ({"rope__scaling__type": GGUFValue("none", GGUFValueType.STRING)}, 1.0),
+        ({"rope__scaling__factor": f32(1.0), "rope__scaling__attn_factor": f32(1.0)}, 1.0),
     ],
+    ids=["linear", "untyped", "scale_linear", "both-keys", "zero", "none", "ones"],
 )
-def test_rope_scaling_key(
-    tiny_model: Path, tmp_path: Path, key: str, value: GGUFValue, found: str
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(
+    tiny_model: Path, tmp_path: Path, values: dict, freq_scale: float
 ) -> None:
-    path = rewrite(tiny_model, tmp_path / "scaled.gguf", metadata=lambda m: m.update({key: value}))
+    hp = load_model_file(with_metadata(tiny_model, tmp_path / "linear.gguf", **values)).hparams
+    assert hp.rope_freq_scale == freq_scale
+    assert hp.rope_freq_factors is None
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope", "dynamic"])
+def test_other_rope_scaling_types_are_refused_by_name(
+    tiny_model: Path, tmp_path: Path, kind: str
+) -> None:
+    kind_value = GGUFValue(kind, GGUFValueType.STRING)
+    path = with_metadata(
+        tiny_model, tmp_path / "scaled.gguf", rope__scaling__type=kind_value,
+        rope__scaling__factor=f32(8.0),
+    )  # fmt: skip
     message = load_error(path)
-    assert_mentions(message, str(path), repr(key), f"found {found}", "RoPE scaling")
-    assert_mentions(message, "not supported")
+    assert_mentions(message, str(path), "'llama.rope.scaling.type'", f"found {kind!r}")
+    assert_mentions(message, "expected 'none' or 'linear'", f"{kind} RoPE scaling is not supported")
+    assert_mentions(message, "rope_freqs.weight", "Llama 3.1")
 
 
-def test_rope_freqs_tensor(tiny_model: Path, tmp_path: Path) -> None:
-    freqs = TensorOut("rope_freqs.weight", Q.F32, (8,), lambda: np.ones(8, dtype=np.float32))
-    path = rewrite(
-        tiny_model, tmp_path / "freqs.gguf", tensors=lambda t: t.update({freqs.name: freqs})
+@pytest.mark.parametrize(
+    ("values", "key", "found"),
+    [
+        ({"rope__scaling__factor": f32(-2.0)}, "rope.scaling.factor", "found -2.0"),
+        ({"rope__scale_linear": f32(float("nan"))}, "rope.scale_linear", "found nan"),
+        ({"rope__scaling__factor": GGUFValue("4", GGUFValueType.STRING)}, "rope.scaling.factor",
+         "found '4'"),
+    ],
+    ids=["negative", "nan", "string"],
+)  # fmt: skip
+def test_a_bad_linear_factor_is_refused(
+    tiny_model: Path, tmp_path: Path, values: dict, key: str, found: str
+) -> None:
+    path = with_metadata(tiny_model, tmp_path / "bad.gguf", **values)
+    message = load_error(path)
+    assert_mentions(message, str(path), f"'llama.{key}'", "a finite number > 0", found)
+
+
+def test_a_factor_with_scaling_type_none_contradicts_itself(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    none = GGUFValue("none", GGUFValueType.STRING)
+    path = with_metadata(
+        tiny_model, tmp_path / "none.gguf", rope__scaling__type=none, rope__scaling__factor=f32(8.0)
     )
     message = load_error(path)
-    assert_mentions(message, str(path), "'rope_freqs.weight'", "RoPE scaling", "not supported")
+    assert_mentions(message, "'llama.rope.scaling.factor'", "expected 1.0, as")
+    assert_mentions(message, "'llama.rope.scaling.type' is 'none'", "found 8.0", "contradicts")
+
+
+def test_a_rope_attention_factor_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    path = with_metadata(tiny_model, tmp_path / "attn.gguf", rope__scaling__attn_factor=f32(0.5))
+    message = load_error(path)
+    assert_mentions(message, "'llama.rope.scaling.attn_factor'", "expected 1.0", "found 0.5")
+    assert_mentions(message, "RoPE scaling is not supported")
+
+
+def with_freqs(tiny_model: Path, dst: Path, freqs: TensorOut) -> Path:
+    return rewrite(tiny_model, dst, tensors=lambda t: t.update({freqs.name: freqs}))
+
+
+def freqs_tensor(values: np.ndarray, qtype: Q = Q.F32) -> TensorOut:
+    return TensorOut("rope_freqs.weight", qtype, values.shape, lambda: values)
+
+
+def test_rope_freqs_factors_are_read_into_the_hparams(tiny_model: Path, tmp_path: Path) -> None:
+    factors = np.array([1, 1, 1, 1.5, 4, 32, 32, 32], dtype=np.float32)  # tiny: 8 pairs
+    model = load_model_file(with_freqs(tiny_model, tmp_path / "f.gguf", freqs_tensor(factors)))
+    assert model.hparams.rope_freq_factors == tuple(factors.tolist())
+    assert model.hparams.rope_freq_scale == 1.0
+    assert model.tensor("rope_freqs.weight").ggml_type == Q.F32  # kept, validated
+
+
+@pytest.mark.parametrize(
+    ("values", "qtype", "parts"),
+    [
+        (np.ones(16, np.float32), Q.F32,
+         ("expected shape (8,)", "rope.dimension_count 16 / 2", "found shape (16,)")),
+        (np.ones((2, 4), np.float32), Q.F32, ("expected shape (8,)", "found shape (2, 4)")),
+        (np.ones(8, np.float16), Q.F16, ("expected F32", "found F16")),
+        (np.array([1, 1, 1, 0, 2, 2, 2, 2], np.float32), Q.F32,
+         ("finite factors > 0", "found 0.0 at pair 3 (1 of 8 pairs bad)")),
+        (np.array([1, 1, 1, 1, 1, np.nan, 2, np.nan], np.float32), Q.F32,
+         ("found nan at pair 5 (2 of 8 pairs bad)",)),
+        (np.array([1, -1, 1, 1, 1, 1, 1, 1], np.float32), Q.F32, ("found -1.0 at pair 1",)),
+        (np.array([1, 1, 1, 1, 1, 1, 1, np.inf], np.float32), Q.F32, ("found inf at pair 7",)),
+    ],
+    ids=["length", "2-d", "f16", "zero", "nan", "negative", "inf"],
+)  # fmt: skip
+def test_bad_rope_freqs_are_refused(
+    tiny_model: Path, tmp_path: Path, values: np.ndarray, qtype: Q, parts: tuple[str, ...]
+) -> None:
+    path = with_freqs(tiny_model, tmp_path / "bad.gguf", freqs_tensor(values, qtype))
+    message = load_error(path)
+    assert_mentions(message, str(path), "tensor 'rope_freqs.weight'", *parts)
+    assert_mentions(message, "re-convert")
 
 
 def test_missing_tensor(tiny_model: Path, tmp_path: Path) -> None:

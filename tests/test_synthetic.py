@@ -41,6 +41,7 @@ TABLE = [
     ("llama-8b", 4096, 32, (32, 8), 128, 14336, 128256, Q.Q4_0, Q.Q4_0, 500000.0, 8192),
     ("tiny", 64, 2, (4, 2), 16, 128, 256, Q.Q8_0, Q.Q4_0, 10000.0, 256),
     ("tiny-k", 256, 2, (4, 2), 64, 512, 264, Q.Q8_0, Q.Q4_0, 10000.0, 256),
+    ("tiny-llama3", 256, 4, (4, 2), 64, 512, 264, Q.Q8_0, "tied", 500000.0, 8192),
 ]
 
 
@@ -63,7 +64,7 @@ def test_table_lists_every_shape() -> None:
     assert sorted(SHAPES) == sorted(row[0] for row in TABLE)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-k", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-k", "smollm2-135m", "tiny-llama3"])
 def test_written_model_loads_as_its_shape(name: str, tmp_path: Path) -> None:
     path = write_synthetic_model(name, tmp_path / f"{name}.gguf", progress=False)
     model = load_model_file(path)
@@ -75,6 +76,7 @@ def test_written_model_loads_as_its_shape(name: str, tmp_path: Path) -> None:
     assert (hp.head_dim_k, hp.head_dim_v, hp.rope_dims) == (s.head_dim_k,) * 3
     assert (hp.n_ctx_train, hp.rope_base, hp.rms_eps) == (s.n_ctx, s.rope_base, pytest.approx(1e-5))
     assert hp.tied_embeddings == (s.output_type is None)
+    assert (hp.rope_freq_factors is None) == (s.llama3_rope is None)  # rope_freqs.weight
     assert model.tensor("token_embd.weight").ggml_type == s.embd_type
     assert model.lm_head.ggml_type == (s.output_type or s.embd_type)
     assert model.metadata["general.file_type"] == 2

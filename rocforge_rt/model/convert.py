@@ -8,7 +8,8 @@ K-quants Q2_K-Q6_K, the IQ and ternary types and MXFP4 with gguf 0.19. Output:
 - token_embd: kept when Q8_0, Q4_0, F16 or F32, else Q8_0;
 - a separate output.weight: kept when Q8_0 or Q4_0, else Q8_0 (a matmul every step:
   Q8_0 keeps the precision a K-quant file gives it, F16/F32 would cost bandwidth);
-- norms: F32.
+- norms: F32;
+- rope_freqs.weight (Llama 3.1's RoPE frequency factors, F32 by validation): copied.
 
 Each tensor goes source bytes -> f32 -> output type a slice of rows at a time
 (`CHUNK_VALUES` values), so memory holds one output tensor and one slice of f32, never
@@ -245,7 +246,7 @@ def _output_type(model: ModelFile, t: WeightTensor) -> GGMLQuantizationType:
         out = t.ggml_type if t.ggml_type in OUTPUT_KEPT_TYPES else Q.Q8_0
     elif t.name.startswith("blk.") and t.name.split(".")[-2] in LINEAR_SUFFIXES:
         out = Q.Q4_0
-    else:  # a norm: validation admits no other tensor
+    else:  # a norm, or rope_freqs.weight (F32, so copied): validation admits no other
         out = Q.F32
     block_size = GGML_QUANT_SIZES[out][0]
     if out != t.ggml_type and t.shape[-1] % block_size:

@@ -2,8 +2,10 @@
 
 `load_model_file` maps a GGUF read-only (tensor data is never copied) and checks
 that it describes a llama-family model this runtime can run: metadata, RoPE
-form, tensor set, shapes and types. Every problem raises `ModelFormatError`
-naming the file, the key or tensor, what was expected, what was found and the fix.
+form and scaling (a linear factor and Llama 3.1's rope_freqs.weight are read into the
+hyper-parameters; any other scaling is refused), tensor set, shapes and types. Every
+problem raises `ModelFormatError` naming the file, the key or tensor, what was expected,
+what was found and the fix.
 
 `write_gguf` is the one GGUF writer of the package (conversion and synthetic
 models): it streams tensors one at a time into a temporary file that replaces
@@ -14,7 +16,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,24 +186,98 @@ def _float(path: Path, meta: Mapping[str, Any], key: str, default: float | None 
     return float(value)
 
 
-def _check_rope(path: Path, meta: Mapping[str, Any], arch: str, names: set[str]) -> None:
-    """Reject RoPE scaling: its factors would have to be applied, never silently ignored."""
-    fix = "RoPE scaling is not supported; use a model without it (e.g. Llama 3, SmolLM2)"
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind != "none":
-        raise _error(path, f"metadata key '{arch}.rope.scaling.type'", "'none'", repr(kind), fix)
-    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
-        factor = meta.get(key, 1.0)
-        if factor not in (0.0, 1.0):  # llama.cpp reads 0 as "unset"
-            raise _error(path, f"metadata key {key!r}", "1.0 (no scaling)", repr(factor), fix)
-    if "rope_freqs.weight" in names:
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_SCALING_TYPES = ("none", "linear")  # what rope.scaling.type may say; absent means linear
+ROPE_SCALING_FIX = (
+    "RoPE scaling is not supported: this runtime applies linear scaling and Llama 3.1-style "
+    "frequency factors (rope_freqs.weight) only; use a model without other scaling "
+    "(e.g. Llama 3.1/3.2/3.3, SmolLM2)"
+)
+
+
+def _rope_freq_scale(path: Path, meta: Mapping[str, Any], arch: str) -> float:
+    """llama.cpp's freq_scale, 1 / the linear scaling factor; other scaling types are refused.
+
+    As llama.cpp reads the file: rope.scaling.type defaults to linear; the factor is
+    rope.scaling.factor when that key exists, else the older rope.scale_linear, and 0 (or
+    neither key) means 1. Type 'none' with a factor other than 1 contradicts itself and is
+    refused, as is a rope.scaling.attn_factor other than 1 (it would scale cos and sin).
+    """
+    type_key = f"{arch}.rope.scaling.type"
+    kind = meta.get(type_key, "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        supported = " or ".join(repr(k) for k in ROPE_SCALING_TYPES)
+        raise _error(
+            path, f"metadata key {type_key!r}", supported, repr(kind), f"{kind} " + ROPE_SCALING_FIX
+        )
+    factor_key = next(
+        (k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta),
+        None,
+    )
+    factor = 1.0
+    if factor_key is not None:
+        value = meta[factor_key]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not np.isfinite(value)
+            or value < 0
+        ):
+            raise _error(
+                path,
+                f"metadata key {factor_key!r}",
+                "a finite number > 0 (0: no scaling)",
+                repr(value),
+                RECONVERT_FIX,
+            )
+        factor = float(value) or 1.0  # llama.cpp reads 0 as "unset"
+    if kind == "none" and factor != 1.0:
         raise _error(
             path,
-            "tensor 'rope_freqs.weight'",
-            "no RoPE frequency factors",
-            "the tensor (Llama 3.1-style RoPE scaling)",
-            fix,
+            f"metadata key {factor_key!r}",
+            f"1.0, as {type_key!r} is 'none'",
+            repr(factor),
+            "the file contradicts itself; " + RECONVERT_FIX,
         )
+    attn_key = f"{arch}.rope.scaling.attn_factor"
+    attn_factor = meta.get(attn_key, 1.0)
+    if attn_factor != 1.0:
+        raise _error(path, f"metadata key {attn_key!r}", "1.0", repr(attn_factor), ROPE_SCALING_FIX)
+    # float32, as llama.cpp holds it (exact for powers of two)
+    return float(np.float32(1.0) / np.float32(factor))
+
+
+def _rope_freq_factors(
+    path: Path, tensors: Mapping[str, WeightTensor], rope_dims: int
+) -> tuple[float, ...] | None:
+    """rope_freqs.weight's factors (one per rotated pair; each pair's frequency is divided by
+    its factor), or None where the file has no such tensor."""
+    t = tensors.get(ROPE_FREQS)
+    if t is None:
+        return None
+    subject, half = f"tensor {ROPE_FREQS!r}", rope_dims // 2
+    if t.ggml_type != Q.F32:
+        raise _error(path, subject, "F32 (RoPE frequency factors)", t.ggml_type.name, RECONVERT_FIX)
+    if t.shape != (half,):
+        raise _error(
+            path,
+            subject,
+            f"shape ({half},): a factor per rotated pair (rope.dimension_count {rope_dims} / 2)",
+            f"shape {t.shape}",
+            RECONVERT_FIX,
+        )
+    values = np.asarray(t.data, dtype=np.float32).reshape(half)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if bad.size:
+        i = int(bad[0])
+        raise _error(
+            path,
+            subject,
+            "finite factors > 0",
+            f"{float(values[i])} at pair {i} ({bad.size} of {half} pairs bad)",
+            "the file is corrupt; " + RECONVERT_FIX,
+        )
+    return tuple(float(v) for v in values)
 
 
 def _read_hparams(path: Path, meta: Mapping[str, Any], n_vocab_embd: int, tied: bool) -> HParams:
@@ -254,6 +330,7 @@ def _read_hparams(path: Path, meta: Mapping[str, Any], n_vocab_embd: int, tied: 
         rope_dims=rope_dims,
         rms_eps=_float(path, meta, f"{arch}.attention.layer_norm_rms_epsilon"),
         tied_embeddings=tied,
+        rope_freq_scale=_rope_freq_scale(path, meta, arch),
     )
 
 
@@ -270,6 +347,8 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], tuple[Q, .
         "ffn_down": (hp.n_embd, hp.n_ff),
     }
     spec = {"token_embd.weight": ((hp.n_vocab, hp.n_embd), EMBEDDING_TYPES)}
+    if hp.rope_freq_factors is not None:  # not a weight: its values are in hp
+        spec[ROPE_FREQS] = ((hp.rope_dims // 2,), (Q.F32,))
     for i in range(hp.n_layer):
         for suffix in NORM_SUFFIXES:
             spec[f"blk.{i}.{suffix}.weight"] = ((hp.n_embd,), (Q.F32,))
@@ -298,7 +377,7 @@ def model_from_reader(
     tensors = {t.name: _weight_tensor(t) for t in reader.tensors}
     embd = tensors.get("token_embd.weight")
     hp = _read_hparams(path, meta, embd.shape[0] if embd else 0, "output.weight" not in tensors)
-    _check_rope(path, meta, hp.arch, set(tensors))
+    hp = replace(hp, rope_freq_factors=_rope_freq_factors(path, tensors, hp.rope_dims))
     spec = expected_tensors(hp)
     for name, (shape, types) in spec.items():
         t = tensors.get(name)

@@ -21,6 +21,12 @@ class HParams:
     rope_dims: int  # rope.dimension_count (defaults to head_dim_k)
     rms_eps: float
     tied_embeddings: bool  # True when output.weight is absent and token_embd serves as LM head
+    # RoPE scaling, as llama.cpp applies it: pair i of a head turns by
+    # pos * rope_freq_scale * rope_base^(-2i / rope_dims) / rope_freq_factors[i].
+    rope_freq_scale: float = 1.0  # 1 / rope.scaling.factor of linear scaling (1.0: none)
+    # rope_freqs.weight (Llama 3.1-3.3): one factor per rotated pair, rope_dims // 2 of them,
+    # each finite and > 0; None: no such tensor (every factor 1)
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def gqa_group(self) -> int:

@@ -18,8 +18,15 @@ A quantization mix (`MIXES`) sets each tensor's type: `q4_0`, the runtime's own 
 Q6_K): the file `rocforge convert` is for. Types other than Q4_0/Q8_0 are made by
 quantizing Gaussian values of the same standard deviations, a slice of rows at a time
 (gguf.quants where it can quantize the type, `kquants` for the K types it cannot).
+
+A shape with a `Llama3Rope` rule (`tiny-llama3`) also carries `rope_freqs.weight`, the
+per-pair RoPE frequency factors llama.cpp's converter writes for Llama 3.1-3.3, computed by
+Meta's rule (`llama3_rope_factors`); `linear_rope` adds linear RoPE scaling keys instead of
+or beside them.
 """
 
+import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -29,11 +36,50 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValue, GGUFValueType, LlamaFileType
 
 from rocforge_rt.model import kquants
-from rocforge_rt.model.gguf_file import LINEAR_SUFFIXES, TensorOut, write_gguf
+from rocforge_rt.model.gguf_file import (
+    LINEAR_SUFFIXES,
+    ROPE_FREQS,
+    TensorOut,
+    open_gguf,
+    write_gguf,
+)
+from rocforge_rt.model.gguf_metadata import field_value
 from rocforge_rt.model.spm import CONTROL, NORMAL, UNUSED
 from rocforge_rt.model.tokenizer import BYTE_LEVEL_CHARS
 
 Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Meta's Llama 3.1 RoPE scaling rule (config.json's rope_scaling, rope_type "llama3")."""
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192  # original_max_position_embeddings
+
+
+def llama3_rope_factors(base: float, rope_dims: int, rule: Llama3Rope) -> np.ndarray:
+    """The per-pair factors of `rope_freqs.weight`, float32 [rope_dims // 2].
+
+    The frequency of pair i is base^(-2i / rope_dims), of wavelength 2 pi / frequency.
+    Wavelengths shorter than original_context / high_freq_factor keep their frequency
+    (factor 1); longer than original_context / low_freq_factor divide it by `factor`;
+    in between, the scaled frequency is the mix (1 - s) * freq / factor + s * freq with
+    s = (original_context / wavelength - low_freq_factor) / (high - low), so the factor
+    is 1 / ((1 - s) / factor + s). Computed in float64, stored as float32.
+    """
+    freqs = float(base) ** (-np.arange(rope_dims // 2, dtype=np.float64) * 2.0 / rope_dims)
+    wavelengths = 2.0 * math.pi / freqs
+    short = rule.original_context / rule.high_freq_factor
+    long = rule.original_context / rule.low_freq_factor
+    smooth = (rule.original_context / wavelengths - rule.low_freq_factor) / (
+        rule.high_freq_factor - rule.low_freq_factor
+    )
+    between = 1.0 / ((1.0 - smooth) / rule.factor + smooth)
+    factors = np.where(wavelengths < short, 1.0, np.where(wavelengths > long, rule.factor, between))
+    return factors.astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -52,6 +98,7 @@ class SyntheticShape:
     output_type: GGMLQuantizationType | None  # None: tied to token_embd
     head_dim: int = 0  # 0: n_embd // n_head
     rms_eps: float = 1e-5
+    llama3_rope: Llama3Rope | None = None  # write rope_freqs.weight by this rule
 
     @property
     def head_dim_k(self) -> int:
@@ -66,6 +113,25 @@ SHAPES: dict[str, SyntheticShape] = {
     "smollm2-135m": SyntheticShape(576, 30, 9, 3, 1536, 49152, 8192, 100000.0, Q.Q8_0, None),
     "llama-1b": SyntheticShape(2048, 16, 32, 8, 8192, 128256, 131072, 500000.0, Q.Q8_0, None),
     "llama-8b": SyntheticShape(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0, Q.Q4_0, Q.Q4_0),
+    # Llama 3.2 1B's RoPE (base 500000, head dim 64, rope_freqs by the 3.1 rule at factor 32,
+    # original context 8192: 15 pairs keep their frequency, 14 divide it by 32, 3 in between)
+    # and tied embeddings, in 4 layers of 256; the vocabulary size is byte_vocabulary's
+    "tiny-llama3": SyntheticShape(
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=512,
+        n_vocab=264,
+        n_ctx=8192,
+        rope_base=500000.0,
+        embd_type=Q.Q8_0,
+        output_type=None,
+        head_dim=64,
+        llama3_rope=Llama3Rope(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192
+        ),
+    ),
 }
 
 
@@ -145,7 +211,9 @@ def random_blocks(
     return blocks.reshape(n_out, n_in // block_size * type_size)
 
 
-def _metadata(name: str, s: SyntheticShape, mix: str, vocab: bool) -> dict[str, GGUFValue]:
+def _metadata(
+    name: str, s: SyntheticShape, mix: str, vocab: bool, linear_rope: float | None
+) -> dict[str, GGUFValue]:
     u32, f32, string = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
     label = name if mix == "q4_0" else f"{name} {mix}"
     values = {
@@ -166,6 +234,9 @@ def _metadata(name: str, s: SyntheticShape, mix: str, vocab: bool) -> dict[str, 
         "llama.rope.freq_base": (s.rope_base, f32),
         "llama.rope.dimension_count": (s.head_dim_k, u32),
     }
+    if linear_rope is not None:
+        values["llama.rope.scaling.type"] = ("linear", string)
+        values["llama.rope.scaling.factor"] = (linear_rope, f32)
     metadata = {key: GGUFValue(value, vtype) for key, (value, vtype) in values.items()}
     return metadata | (
         byte_vocabulary(s.n_vocab) if vocab else {"tokenizer.ggml.model": GGUFValue("none", string)}
@@ -199,7 +270,7 @@ def _draw(seed: int, index: int, qtype: GGMLQuantizationType, shape: tuple[int, 
     return out
 
 
-def _tensors(s: SyntheticShape, seed: int, mix: QuantMix) -> list[TensorOut]:
+def _tensors(s: SyntheticShape, seed: int, mix: QuantMix, rope_factors: bool) -> list[TensorOut]:
     q_dim, kv_dim = s.n_head * s.head_dim_k, s.n_head_kv * s.head_dim_k
     linear = {
         "attn_q": (q_dim, s.n_embd),
@@ -229,10 +300,15 @@ def _tensors(s: SyntheticShape, seed: int, mix: QuantMix) -> list[TensorOut]:
                 f"{name}: rows of {shape[-1]} values cannot hold {qtype.name} blocks of "
                 f"{block_size}; pick a shape whose widths are multiples of {block_size} (tiny-k)"
             )
-    return [
+    weights = [
         TensorOut(name, qtype, shape, partial(_draw, seed, index, qtype, shape))
         for index, (name, qtype, shape) in enumerate(plan)
     ]
+    if not (rope_factors and s.llama3_rope):
+        return weights
+    # first, where llama.cpp's converter puts it; the weights' draws do not depend on it
+    factors = llama3_rope_factors(s.rope_base, s.head_dim_k, s.llama3_rope)
+    return [TensorOut(ROPE_FREQS, Q.F32, factors.shape, lambda: factors), *weights]
 
 
 def write_synthetic_model(
@@ -244,10 +320,16 @@ def write_synthetic_model(
     mix: str = "q4_0",
     vocab: bool = False,
     vocabulary: Mapping[str, GGUFValue] | None = None,
+    rope_factors: bool = True,
+    linear_rope: float | None = None,
 ) -> Path:
     """Write a random-weight GGUF of a named shape (see SHAPES) in a quantization mix (see
     MIXES) atomically to `out`: with a byte vocabulary if `vocab`, or with `vocabulary`'s
-    `tokenizer.*` keys (the shape's vocabulary size becomes its number of tokens)."""
+    `tokenizer.*` keys (the shape's vocabulary size becomes its number of tokens).
+
+    A shape with a Llama 3.1 RoPE rule carries rope_freqs.weight unless `rope_factors` is
+    False; `linear_rope` adds rope.scaling.type 'linear' with that factor. Neither changes
+    the weights: the same seed draws the same ones."""
     if vocab and vocabulary is not None:
         raise ValueError("give a synthetic model `vocab` or a `vocabulary`, not both")
     if shape not in SHAPES:
@@ -257,14 +339,28 @@ def write_synthetic_model(
     spec = SHAPES[shape]
     if vocabulary is not None:
         spec = replace(spec, n_vocab=len(vocabulary["tokenizer.ggml.tokens"].value))
-    metadata = _metadata(shape, spec, mix, vocab)
+    metadata = _metadata(shape, spec, mix, vocab, linear_rope)
     if vocabulary is not None:
         del metadata["tokenizer.ggml.model"]
         metadata.update(vocabulary)
     return write_gguf(
         Path(out),
         metadata,
-        _tensors(spec, seed, MIXES[mix]),
+        _tensors(spec, seed, MIXES[mix], rope_factors),
         progress=progress,
         desc=f"synthetic {shape} {mix}",
     )
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a GGUF's metadata values and tensors (names, types, shapes, bytes), in file
+    order: what a forward pass reads, whatever the writer's padding or alignment."""
+    reader = open_gguf(path)
+    digest = hashlib.sha256()
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF."):
+            digest.update(repr((name, field_value(field))).encode())
+    for t in reader.tensors:
+        digest.update(repr((t.name, int(t.tensor_type), t.shape.tolist())).encode())
+        digest.update(np.ascontiguousarray(t.data).view(np.uint8).tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,82 @@
+"""What the RoPE scaling tests share: llama.cpp's reference logits on the tiny-llama3 models
+(tests/data/tiny-llama3-rope.llamacpp.*, scripts/make_rope_test_data.py), the models
+rewritten from the same recipe, and the agreement measures and bars."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rocforge_rt.model.synthetic import content_digest, write_synthetic_model
+
+DATA = Path(__file__).parent / "data"
+STEM = "tiny-llama3-rope.llamacpp"
+REGENERATE = "PYTHONPATH=. /tmp/spmref/bin/python scripts/make_rope_test_data.py"
+
+# The issue's bar: rocforge's f32 activations against llama.cpp on the F32 copy of the
+# same weights, where both compute in float32 (measured: max |diff| <= 0.0015).
+ISSUE_MAX_DIFF, ISSUE_CORR = 0.1, 0.9999
+F32_MAX_DIFF = 0.01  # tighter, for the same comparison
+# Where one side quantizes activations (llama.cpp on the Q4_0 file: int8 blocks with fp16
+# scales; rocforge's q8: float32 scales) the roundings differ, and on these random weights
+# that alone costs max |diff| up to 0.087 and correlation down to 0.99947 (measured over
+# every case, position 0 included, where RoPE does nothing); ignoring the scaling costs
+# more than 1 and 0.9 at 2,000 tokens.
+QUANT_MAX_DIFF, QUANT_CORR = 0.15, 0.999
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # "<variant>-<length>"
+    variant: str  # "factors" (rope_freqs.weight) or "linear4" (linear scaling, factor 4)
+    ids: list[int]
+    q4_0: np.ndarray  # llama.cpp's last logits on the Q4_0 file
+    f32: np.ndarray  # on its F32 copy
+
+
+@dataclass(frozen=True)
+class Reference:
+    provenance: dict
+    cases: dict[str, Case]
+
+
+def load_reference() -> Reference:
+    provenance = json.loads((DATA / f"{STEM}.json").read_text())
+    with np.load(DATA / f"{STEM}.npz") as arrays:
+        cases = {
+            c["name"]: Case(
+                c["name"],
+                c["variant"],
+                arrays[f"ids_{c['length']}"].tolist(),
+                arrays[f"logits_{c['name']}_q4_0"],
+                arrays[f"logits_{c['name']}_f32"],
+            )
+            for c in provenance["cases"]
+        }
+    return Reference(provenance, cases)
+
+
+def write_models(reference: Reference, folder: Path) -> dict[str, Path]:
+    """Each variant's model, written as the reference script wrote it; AssertionError if its
+    content is not the file llama.cpp ran on."""
+    recipe = reference.provenance["model"]
+    paths = {}
+    for name, variant in reference.provenance["variants"].items():
+        path = write_synthetic_model(
+            recipe["shape"], folder / f"{name}.gguf", seed=recipe["seed"], progress=False,
+            vocab=recipe["vocab"], rope_factors=variant["rope_factors"],
+            linear_rope=variant["linear_rope"],
+        )  # fmt: skip
+        assert content_digest(path) == variant["digest"], (
+            f"the synthetic {name} model is not the one the reference was made on: "
+            f"remake tests/data/{STEM}.* with `{REGENERATE}`"
+        )
+        paths[name] = path
+    return paths
+
+
+def agreement(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]:
+    """(max |ours - theirs|, Pearson correlation) of two logits rows."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    return float(np.max(np.abs(ours - theirs))), float(np.corrcoef(ours, theirs)[0, 1])
