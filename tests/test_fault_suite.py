@@ -193,7 +193,7 @@ def test_aborts_and_closes_racing_steps_from_several_clients(
     suite: tuple[Daemon, list[int]],
 ) -> None:
     """Two clients abort, one closes (the daemon has two slots: a third client opening
-    meanwhile is answered busy, which `race` does not expect, so closes run after)."""
+    meanwhile would wait for one, which `race` does not expect, so closes run after)."""
     daemon, _ = suite
     ends: dict[int, list[tuple[Any, Any]]] = {}
     threads = [
