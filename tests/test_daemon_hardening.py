@@ -138,7 +138,12 @@ TURN_EDGES: dict[str, list[tuple[Any, str]]] = {
     "tokens": [([v], BAD if v == 256 else e) for v, e in int_edges(0, 255)]
     + [([2**31 - 1], BAD), ([2**31], BAD)],
 }  # fmt: skip
-STEP_EDGES = {"n": int_edges(1, 4096), "deadline_ms": [(1.0, OK), (0.0, BAD), (NAN, BAD)]}
+# A step of 1 ms is valid: it ends in time, or (a busy machine) past its deadline.
+IN_TIME_OR_LATE = f"{OK}|deadline_exceeded"
+STEP_EDGES = {
+    "n": int_edges(1, 4096),
+    "deadline_ms": [(1.0, IN_TIME_OR_LATE), (0.0, BAD), (NAN, BAD)],
+}
 # a session id in range that is not open for this client
 SESSION_EDGES = [(v, "unknown_session" if e == OK else e) for v, e in int_edges(1, I64_MAX)]
 CASES = (
@@ -189,7 +194,7 @@ def test_every_numeric_boundary_gets_a_clear_answer_and_leaves_every_slot_free(
 ) -> None:
     peer = Peer(shared.endpoint)
     try:
-        assert probe(peer, op, name, value) == expected
+        assert probe(peer, op, name, value) in expected.split("|")
     finally:
         peer.close()
     assert_every_slot_is_free(shared.endpoint)
