@@ -89,6 +89,31 @@ def load_average() -> list[float] | None:
         return None
 
 
+def cpu_ticks(pids: list[int]) -> tuple[int, int, int] | None:
+    """The machine's busy and total clock ticks (/proc/stat) and those the processes `pids`
+    have run (all their threads); None where /proc does not say."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        own = 0
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            after_name = stat[stat.rindex(")") + 2 :].split()
+            own += int(after_name[11]) + int(after_name[12])  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+    return total - fields[3] - fields[4], total, own
+
+
+def other_cpu_share(before: tuple | None, after: tuple | None) -> float | None:
+    """The share of the machine's CPU time that processes other than the two sides used
+    between two cpu_ticks() (0: the benchmark had the machine to itself)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    busy, total, own = (a - b for a, b in zip(after, before, strict=True))
+    return round(max(0.0, busy - own) / total, 3)
+
+
 class PeerError(RuntimeError):
     """The llama.cpp peer could not be started, died, timed out, or answered a failure."""
 
@@ -265,6 +290,7 @@ def main() -> int:
     }  # fmt: skip
     status = 0
     peer: Peer | None = None
+    peer_pid = 0
     theirs = Side("llama.cpp")
     if args.llamacpp_python:
         load = {"op": "load", "model": str(Path(args.model).resolve()), "threads": threads,
@@ -335,21 +361,33 @@ def main() -> int:
         if peer:
             run_peer("prompt", 0, args.n_prompt)
 
+    def sides_ticks() -> tuple[int, int, int] | None:
+        return cpu_ticks([os.getpid()] + ([peer_pid] if peer else []))
+
+    # Other work on the machine takes cores from whichever side runs: each round says how much.
+    report["other_cpu_share"] = {"ours": [], "llamacpp": []}
     for r in range(args.rounds):  # ours, then llama.cpp, in turn
         seeds = [1 + r * args.repeats + i for i in range(args.repeats)]
+        start = sides_ticks()
         for seed in seeds:
             ours.add_decode(args.n_decode, run_ours("decode", seed, args.n_decode))
         for seed in seeds:
             ours.add_prompt(args.n_prompt, run_ours("prompt", seed, args.n_prompt))
+        middle = sides_ticks()
+        report["other_cpu_share"]["ours"].append(other_cpu_share(start, middle))
         for kind, n, add in (("decode", args.n_decode, theirs.add_decode),
                              ("prompt", args.n_prompt, theirs.add_prompt)):  # fmt: skip
             for seed in seeds:
                 seconds = run_peer(kind, seed, n) if peer else None
                 if seconds is not None:
                     add(n, seconds)
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+        shares = report["other_cpu_share"]
+        if peer:
+            shares["llamacpp"].append(other_cpu_share(middle, sides_ticks()))
+        print(f"round {r + 1}/{args.rounds} done (other processes' share of the CPU: ours"
+              f" {shares['ours'][-1]}, llama.cpp {(shares['llamacpp'] or [None])[-1]})",
+              file=sys.stderr)  # fmt: skip
 
-    # Other work on the machine shares its cores with both sides: say how much there was.
     report["load_average_at_end"] = load_average()
     ours.memory["peak_rss_bytes"] = memory_of(os.getpid())["peak_rss_bytes"]
     report["ours"].update(ours.result())

@@ -94,6 +94,9 @@ def test_bench_cpu_times_both_sides_and_writes_medians_ratios_memory_and_a_table
     assert report["threading"]["environment"]["OPENBLAS_NUM_THREADS"] == "1"
     assert report["threading"]["numpy_imported_before"] is False
     assert report["n_ctx"] >= 8 and len(report["load_average_at_start"]) == 3
+    for share in report["other_cpu_share"]["ours"] + report["other_cpu_share"]["llamacpp"]:
+        assert share is None or 0.0 <= share <= 1.0  # None: no clock tick passed
+    assert len(report["other_cpu_share"]["ours"]) == len(report["other_cpu_share"]["llamacpp"]) == 2
 
     # The peer: loaded once, warmed up, then each round's runs; told to quit at the end.
     requests = requests_of(fake_peer)
@@ -162,6 +165,16 @@ def test_bench_cpu_alternates_ours_and_llamacpp_round_by_round_on_the_same_token
     assert report["ratios"]["ttft_ms"] == pytest.approx(2.0)
     assert report["threading"]["environment_before"]["OMP_NUM_THREADS"] == "9"
     assert report["threading"]["numpy_imported_before"] is True  # the same process
+
+
+def test_other_processes_share_of_the_cpu_is_the_busy_time_neither_side_ran():
+    bench = load_bench_cpu()
+    # 200 ticks passed, 200 busy, 150 of them the two sides': 50 someone else's
+    assert bench.other_cpu_share((100, 1000, 50), (300, 1200, 200)) == 0.25
+    assert bench.other_cpu_share((100, 1000, 50), (120, 1200, 200)) == 0.0  # never below 0
+    assert bench.other_cpu_share(None, (1, 2, 3)) is None
+    ticks = bench.cpu_ticks([os.getpid()])
+    assert ticks is None or (ticks[1] >= ticks[0] >= 0 and ticks[2] >= 0)
 
 
 def test_bench_cpu_reports_a_peer_that_cannot_load_and_still_times_ours(tiny_model, tmp_path):
