@@ -225,3 +225,14 @@ def test_the_kernels_compile_uncached_where_numba_has_nowhere_to_cache():
         [sys.executable, "-c", NO_CACHE_SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
+    """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel the matmul
+    may take (decode rows, a prompt chunk's BLAS way; Q4_0 and int8 layouts) is compiled."""
+    from rocforge_rt.backends import cpu_kernels
+
+    CpuBackend(hparams(), 1, 1, threads=1).warm_up()
+    for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
+        assert kernel.signatures
+    assert len(cpu_kernels.unpack_ints.signatures) >= 2

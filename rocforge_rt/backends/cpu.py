@@ -266,6 +266,16 @@ def _q8_block_by_block(
     return total
 
 
+def compile_kernels() -> None:
+    """Compile (or load from numba's cache) every kernel q8_matmul calls: both weight layouts,
+    both ways (rows for the kernels, a prompt chunk's for BLAS)."""
+    x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
+    for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
+        matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))
+        q8_matmul(x[:1], matrix)
+        q8_matmul(x, matrix)
+
+
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     """`q8_matmul` in numpy: the canonical arithmetic written out (`_q8_fold`), for tests."""
     q, scale_x = q8_blocks(x)
@@ -396,6 +406,12 @@ class CpuBackend:
             tuple(p.top for p in picked),
             logits if want_logits else None,
         )
+
+    def warm_up(self) -> None:
+        """Compile the matmul kernels now (the daemon's warm-up, before `ready`), not on the
+        first prompt long enough to take the BLAS way."""
+        numba.set_num_threads(self.threads)
+        compile_kernels()
 
     # --- weights -------------------------------------------------------------------
     def weights_uploaded(self, tensors: Iterable[WeightTensor]) -> None:
