@@ -11,8 +11,10 @@ from rocforge_rt.backends import BACKEND_NAMES
 from rocforge_rt.errors import RocforgeError
 from rocforge_rt.server.cli_commands import (
     BATCH_INVARIANT_HELP,
+    THREADS_HELP,
     add_generation_options,
     add_server_commands,
+    thread_count,
 )
 from rocforge_rt.server.http.command import add_http_command
 
@@ -49,7 +51,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             " (a model without one serves token ids through `rocforge serve`)"
         )
     engine = Engine.load(
-        model, backend=args.backend, n_ctx=args.ctx_size, batch_invariant=args.batch_invariant
+        model,
+        backend=args.backend,
+        n_ctx=args.ctx_size,
+        batch_invariant=args.batch_invariant,
+        threads=args.threads,
     )
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -106,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ctx-size", type=_ctx_size, default=2048, help="tokens (>= 2)")
     gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    gen.add_argument("--threads", type=thread_count, help=THREADS_HELP)
     gen.set_defaults(func=_cmd_generate)
 
     conv = sub.add_parser(

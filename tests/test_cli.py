@@ -173,3 +173,40 @@ def test_a_queue_time_limit_must_be_a_finite_number_of_seconds_at_least_0(tiny_m
     with pytest.raises(ServerError, match=f"--max-queue-time must be .* >= 0 .*, got {seconds}"):
         plan(DaemonConfig(model=tiny_model, backend="cpu", max_queue_time_s=seconds))
     assert plan(DaemonConfig(model=tiny_model, backend="cpu", max_queue_time_s=0)).limits
+
+
+def test_threads_reach_the_cpu_backend_from_generate_serve_and_engine_load(
+    tiny_model, default_model, monkeypatch
+):
+    """--threads on generate and serve (an integer >= 1), DaemonConfig.threads through plan,
+    Engine.load(threads=) to the CPU backend: its matmul pool and device_info."""
+    import numba
+
+    from rocforge_rt.cli import build_parser, main
+    from rocforge_rt.engine.engine import Engine
+    from rocforge_rt.server.config import DaemonConfig, plan
+
+    parser = build_parser()
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        assert parser.parse_args(command).threads is None  # the physical cores
+        assert parser.parse_args([*command, "--threads", "1"]).threads == 1
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--threads", "0"])
+    built = plan(DaemonConfig(model=tiny_model, backend="cpu", threads=1)).build(lambda: False)
+    assert built.backend.threads == 1 and built.backend.device_info()["threads"] == 1
+    engine = Engine.load(tiny_model, backend="cpu", n_ctx=16, threads=1)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    engine.logits([1, 2, 3])
+    assert numba.get_num_threads() == 1  # set by the backend before its matmul
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded(kwargs)
+
+    monkeypatch.setattr(Engine, "load", load)
+    with pytest.raises(Loaded) as loaded:
+        main(["generate", "--model", str(default_model), "--backend", "cpu", "--prompt", "x",
+              "--threads", "1"])  # fmt: skip
+    assert loaded.value.args[0]["threads"] == 1

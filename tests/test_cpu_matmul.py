@@ -8,7 +8,15 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, weight
 
-from rocforge_rt.backends.cpu import CpuBackend, dequantize, quantize_q8
+from rocforge_rt.backends.cpu import (
+    BlockMatrix,
+    CpuBackend,
+    dequantize,
+    q8_matmul,
+    q8_matmul_reference,
+    quantize_q8,
+    weight_bytes,
+)
 from rocforge_rt.step.batch import StepBatch
 
 BATCHES = (2, 7, 64)
@@ -89,3 +97,142 @@ def test_a_quantized_embedding_looks_up_the_dequantized_rows():
         tensor = weight(rng, 300, 64, qtype)
         looked_up = backend.embed(backend.embedding(tensor), batch)
         assert np.array_equal(looked_up, dequantize(tensor)[batch.tokens])
+
+
+KERNEL_SHAPES = [(3072, 576, Q.Q4_0), (576, 1536, Q.Q8_0), (8, 160, Q.Q4_0), (8, 160, Q.Q8_0)]
+
+
+@pytest.mark.parametrize(("n_out", "n_in", "qtype"), KERNEL_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_compiled_matmul_is_the_numpy_canonical_sum_bit_for_bit(n_out, n_in, qtype, threads):
+    """cpu_kernels' numba loops against q8_matmul_reference (the canonical arithmetic in
+    numpy), on even and odd block counts (160: a last stage of one block), one row (decode)
+    or several (the prompt path), on one thread or two."""
+    rng = np.random.default_rng(n_out * n_in + threads)
+    backend = CpuBackend(hparams(), 1, 1, threads=threads)
+    matrix = backend.linear(weight(rng, n_out, n_in, qtype))
+    for rows in (1, 2, 3, 17):
+        x = rng.standard_normal((rows, n_in)).astype(np.float32)
+        got = backend.matmul_add(x, matrix, np.zeros((rows, n_out), np.float32))
+        assert np.array_equal(bits(got), bits(q8_matmul_reference(x, matrix))), rows
+
+
+def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():
+    rng = np.random.default_rng(6)
+    parts = [weight(rng, 64, 96, Q.Q4_0), weight(rng, 32, 96, Q.Q8_0)]
+    matrix = BlockMatrix.from_tensors(*parts)
+    dense = np.concatenate([dequantize(t) for t in parts])
+    assert np.array_equal(matrix.dense, dense)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    assert np.array_equal(bits(q8_matmul(x, matrix)), bits(q8_matmul_reference(x, matrix)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_quantized_weights_stay_packed_at_about_the_files_bytes(qtype):
+    """Q4_0: 16 nibble bytes + a float32 scale a block (20 bytes for the file's 18); Q8_0: 32
+    int8 + the scale (36 for 34). No float32 expansion until the f32 mode asks for `dense`."""
+    tensor = weight(np.random.default_rng(7), 1536, 576, qtype)
+    matrix = CpuBackend(hparams(), 1, 1).linear(tensor)
+    assert matrix.quants.dtype == (np.uint8 if qtype == Q.Q4_0 else np.int8)
+    assert matrix.nbytes == weight_bytes(tensor) <= 1.12 * tensor.data.nbytes
+    assert "dense" not in vars(matrix)  # the cached float32 expansion was never built
+
+
+def test_the_start_up_memory_budget_counts_what_the_cpu_backend_holds(tiny_model):
+    """weights_memory_bytes('cpu', ...) (server.config.plan's weights figure) is the bytes of
+    the arrays the backend built from the model (the tied LM head shares the embedding's)."""
+    from rocforge_rt.backends import weights_memory_bytes
+    from rocforge_rt.engine.engine import Engine
+
+    engine = Engine.load(tiny_model, backend="cpu", n_ctx=16)
+    held: dict[int, int] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, BlockMatrix | np.ndarray):
+            held[id(value)] = value.nbytes
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+        elif hasattr(value, "__dataclass_fields__"):
+            for item in vars(value).values():
+                walk(item)
+
+    walk(engine.weights)
+    assert sum(held.values()) == weights_memory_bytes("cpu", engine.model.tensors.values())
+
+
+RSS_SCRIPT = """
+import json, sys
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.model.gguf_file import load_model_file
+import rocforge_rt.backends.cpu  # numba and llvmlite: loaded before the first reading
+
+def rss():
+    with open("/proc/self/status") as status:
+        return next(int(l.split()[1]) * 1024 for l in status if l.startswith("VmRSS:"))
+
+start = rss()
+model = load_model_file(sys.argv[1])  # the metadata (vocabulary, merges) as Python objects
+before = rss()
+engine = Engine.load(model, backend="cpu", n_ctx=256)
+after = rss()
+kv = sum(a.nbytes for a in engine.backend.k_cache + engine.backend.v_cache)
+tensors = sum(t.nbytes for t in engine.model.tensors.values())
+print(json.dumps({"start": start, "before": before, "after": after, "kv": kv, "tensors": tensors}))
+"""
+
+
+@pytest.mark.slow
+def test_resident_memory_after_loading_the_default_model_is_about_its_file_size(default_model):
+    """VmRSS of a fresh process grows by at most 1.2x the GGUF's tensor bytes, plus the KV
+    pool, plus 24 MiB (tokenizer, RoPE tables) when Engine.load takes the default model's
+    file (read before: its metadata as Python objects, ~50 MiB, within 96 MiB from the
+    start): the weights stay quantized, and the file's mapped pages leave the resident set
+    after the upload. (The float32 expansion made it ~8x.)"""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(default_model)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    m = json.loads(done.stdout.splitlines()[-1])
+    assert m["after"] - m["before"] <= 1.2 * m["tensors"] + m["kv"] + (24 << 20), m
+    assert m["after"] - m["start"] <= 1.2 * m["tensors"] + m["kv"] + (96 << 20), m
+
+
+NO_CACHE_SCRIPT = """
+import numpy as np
+from numba.core import caching
+
+caching.CacheImpl._locator_classes = []  # as where no cache directory is writable
+from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
+
+quants = np.arange(2 * 16 * 3, dtype=np.uint8).reshape(2, 16, 3)
+matrix = BlockMatrix(quants, np.full((2, 3), 0.5, np.float32))
+x = np.linspace(-1, 1, 2 * 96, dtype=np.float32).reshape(2, 96)
+assert np.array_equal(q8_matmul(x, matrix), q8_matmul_reference(x, matrix))
+print("ok")
+"""
+
+
+def test_the_kernels_compile_uncached_where_numba_has_nowhere_to_cache():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", NO_CACHE_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
+    """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel the matmul
+    may take (decode rows, a prompt chunk's BLAS way; Q4_0 and int8 layouts) is compiled."""
+    from rocforge_rt.backends import cpu_kernels
+
+    CpuBackend(hparams(), 1, 1, threads=1).warm_up()
+    for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
+        assert kernel.signatures
+    assert len(cpu_kernels.unpack_ints.signatures) >= 2

@@ -35,6 +35,16 @@ def resolve_backend_name(name: str) -> str:
     return "cpu"
 
 
+def weights_memory_bytes(name: str, tensors: Any) -> int:
+    """Bytes a resolved backend holds for these WeightTensors: the CPU backend's own layout
+    (`cpu.weight_bytes`), a GPU's the file's bytes."""
+    if name == "cpu":
+        from rocforge_rt.backends.cpu import weight_bytes
+
+        return sum(weight_bytes(t) for t in tensors)
+    return sum(t.nbytes for t in tensors)
+
+
 def device_memory_bytes(name: str) -> int:
     """Memory of the device a resolved backend name runs on (host RAM for the CPU)."""
     if name == "cpu":
@@ -49,7 +59,8 @@ def device_memory_bytes(name: str) -> int:
 def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
 
-    Options: `activations` ('q8' or 'f32') for the CPU; `max_tokens`, `mode`
+    Options: `activations` ('q8' or 'f32') and `threads` (None: the physical cores) for the
+    CPU; `max_tokens`, `mode`
     (per-kernel-sync, deferred, graph), `overlap` (programmatic dependent launch, on by
     default where the device has it), `batch_invariant` (prompt chunks on the int8
     GEMM instead of the vendor GEMM) and `lookahead` (pipelined decode in graph mode, on by
@@ -67,6 +78,7 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
         return CpuBackend(hparams, n_slots, n_ctx, **options)
     from rocforge_rt.backends.gpu.backend import GpuBackend
 
+    options.pop("threads", None)  # the host's threads: the CPU backend's option
     if resolved == "cuda":
         from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
 

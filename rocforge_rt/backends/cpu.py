@@ -1,31 +1,40 @@
-"""CPU backend: the numerical reference, in numpy.
+"""CPU backend: the numerical reference, in numpy and a compiled (numba) matmul.
 
-Q4_0 and Q8_0 weights are kept as their blocks' integers (in float32) and scales;
-F16/F32 ones are dequantized to float32 at load. The KV pool is float16, as on the
-GPU and in llama.cpp. Matmul inputs are, by default, quantized to int8 per
-32-element block first (`activations="q8"`): the arithmetic of the GPU's dp4a
-GEMVs and of llama.cpp's Q4_0 x Q8_0 dot products, so results compare tightly
-with both. `activations="f32"` keeps them float32.
+Q4_0 and Q8_0 weights stay quantized in memory: their blocks' packed quants and scales
+(`BlockMatrix`), about the file's bytes; F16/F32 ones are dequantized to float32 at load.
+The KV pool is float16, as on the GPU and in llama.cpp. Matmul inputs are, by default,
+quantized to int8 per 32-element block first (`activations="q8"`): the arithmetic of the
+GPU's dp4a GEMVs and of llama.cpp's Q4_0 x Q8_0 dot products, so results compare tightly
+with both. `activations="f32"` keeps them float32 (and the weights' float32 expansion,
+built on first use: a reference mode for tests).
 
 Every matmul is row-independent: an output row is bit-identical whatever other rows
-share the call, so a session's tokens do not depend on who else is generating.
-BLAS cannot promise that (one row takes its GEMV, several its GEMM, each summing in
-its own order), so BLAS (or einsum) only computes what is exact in any order: the
-integer dot product of each 32-element block (|dot| <= 32 * 127 * 128 < 2^24, exact in
-float32). The blocks are then weighed and summed elementwise in the GPU's canonical
+share the call, so a session's tokens do not depend on who else is generating. The
+quantized matmul (`cpu_kernels`, parallel over output rows) takes the integer dot product
+of each 32-element block (exact), weighs the blocks and sums them in the GPU's canonical
 order (`kernels/rf_q8.h`): stages of two blocks, each added by a fused multiply-add
-(emulated in float64), the stage sums folded left to right. Without an integer form
-(F16/F32 weights, or `activations="f32"`) each row takes a BLAS call of its own.
+(emulated in float64), the stage sums folded left to right; `q8_matmul_reference` is the
+same arithmetic in numpy. Without an integer form (F16/F32 weights, or
+`activations="f32"`) each row takes a BLAS call of its own.
+
+Threads: `threads` (default: the physical cores) sizes numba's pool for the matmul and
+limits the BLAS pools (attention, the float32 paths) to as many, so that they do not
+oversubscribe the cores.
 """
 
+import contextlib
+import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import cached_property
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
+from threadpoolctl import threadpool_limits
 
+from rocforge_rt.backends.cpu_kernels import q8_q4_matmul, q8_q8_matmul, unpack_ints
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
@@ -35,11 +44,12 @@ from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32  # elements per quant block; the canonical sum takes them in stages of two
-# Sizes (in float32 elements) that pick how q8_matmul walks a call; they bound memory and
-# time, not results: every way applies the same operations to each element.
-_EINSUM_ROWS, _EINSUM_OUTPUTS = 2, 16384  # dots by einsum for calls this small
-_STACKED_ELEMENTS = 1 << 19  # else all blocks' terms at once up to this many
-_CHUNK_ELEMENTS = 1 << 19  # else block by block over chunks of rows of this many outputs
+# How q8_matmul walks a call; they bound memory and time, not results (every way applies the
+# same operations to each output): up to this many rows the compiled kernels, beyond it
+# BLAS dots over chunks of output rows (their integers unpacked) and of rows.
+_KERNEL_ROWS = 8
+_UNPACKED_ELEMENTS = 1 << 22  # weight integers unpacked at a time (float32: 16 MiB)
+_CHUNK_ELEMENTS = 1 << 19  # outputs per block-by-block pass
 
 # GGUF block layouts: bytes per block (an f16 scale, then the quants).
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
@@ -54,30 +64,45 @@ def dequantize(tensor: WeightTensor) -> np.ndarray:
 
 
 class BlockMatrix:
-    """A Q4_0/Q8_0 matrix [n_out, n_in] as its blocks' integers and f16 scales.
+    """A Q4_0/Q8_0 matrix [n_out, n_in] kept quantized: its blocks' packed quants and scales.
 
-    `ints` is [n_blocks, 32, n_out] float32 holding integers (Q4_0: nibble - 8, Q8_0: the
-    int8s), `scales` [n_blocks, n_out] float32; value = scale * int, exactly.
-    `dense` (and `.T`, so that `x @ m.T` works as for an array) is the float32 matrix.
+    `quants` is, per output row, the file's quant bytes element-major (byte j of every block
+    side by side, the compiled kernel's layout): Q4_0 uint8 [n_out, 16, n_blocks] (element j
+    in the low nibble of byte j, j + 16 in the high; the integer is nibble - 8), Q8_0 int8
+    [n_out, 32, n_blocks]. `scales` [n_out, n_blocks] is the f16 scales as float32;
+    value = scale * integer, exactly. Rows of tensors of both types
+    stacked in one matrix are all kept as int8 (`nibbles` False). `dense` (and `.T`, so that
+    `x @ m.T` works as for an array) is the float32 matrix, built on first use: the
+    float32 reference mode's (`activations="f32"`) and the tests'.
     """
 
-    def __init__(self, ints: np.ndarray, scales: np.ndarray) -> None:
-        self.ints = ints
+    def __init__(self, quants: np.ndarray, scales: np.ndarray) -> None:
+        self.quants = quants
         self.scales = scales
-        self.shape = (ints.shape[2], ints.shape[0] * Q8_BLOCK)
+        self.nibbles = quants.dtype == np.uint8
+        self.shape = (quants.shape[0], quants.shape[2] * Q8_BLOCK)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quants.nbytes + self.scales.nbytes
 
     @classmethod
     def from_tensors(cls, *tensors: WeightTensor) -> "BlockMatrix":
         """The tensors' rows stacked (as Q|K|V or gate|up are)."""
-        parts = [_block_ints(t) for t in tensors]
-        ints = np.concatenate([p[0] for p in parts], axis=2)
-        scales = np.concatenate([p[1] for p in parts], axis=1)
-        return cls(ints, scales)
+        parts = [_block_quants(t) for t in tensors]
+        if len({p[0].dtype for p in parts}) > 1:  # Q4_0 beside Q8_0: all as int8
+            parts = [(_as_int8(q, axis=1), s) for q, s in parts]
+        if len(parts) == 1:
+            return cls(*parts[0])
+        quants = np.concatenate([p[0] for p in parts], axis=0)
+        return cls(quants, np.concatenate([p[1] for p in parts], axis=0))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows `ids` of the matrix as float32 [len(ids), n_in] (an embedding lookup)."""
-        values = self.ints[:, :, ids] * self.scales[:, None, ids]  # [n_blocks, 32, len(ids)]
-        return np.ascontiguousarray(values.transpose(2, 0, 1)).reshape(len(ids), self.shape[1])
+        """Rows `ids` of the matrix as float32 [len(ids), n_in] (an embedding lookup); only
+        those rows are dequantized."""
+        ints = _as_int8(self.quants[ids], axis=1).transpose(0, 2, 1)  # [len(ids), blocks, 32]
+        values = ints.astype(np.float32) * self.scales[ids][..., None]
+        return values.reshape(len(ids), self.shape[1])
 
     @cached_property
     def dense(self) -> np.ndarray:
@@ -92,19 +117,65 @@ def is_block_quantized(tensor: WeightTensor) -> bool:
     return tensor.ggml_type in _BLOCK_BYTES
 
 
-def _block_ints(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_0/Q8_0 tensor's integers [n_blocks, 32, n_out] (float32) and scales."""
+def _block_quants(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_0/Q8_0 tensor's quant bytes [n_out, 16 or 32, n_blocks] and float32 scales."""
     n_out = tensor.shape[0]
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(
         n_out, -1, _BLOCK_BYTES[tensor.ggml_type]
     )
     scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    quants = np.ascontiguousarray(blocks[..., 2:].transpose(0, 2, 1))
+    if tensor.ggml_type == GGMLQuantizationType.Q8_0:
+        quants = quants.view(np.int8)
+    return quants, scales
+
+
+def _as_int8(nibbles: np.ndarray, axis: int) -> np.ndarray:
+    """Q4_0 quant bytes (16 along `axis`) as their integers (32 along it: nibble - 8), int8;
+    Q8_0 ones (int8) as they are."""
+    if nibbles.dtype == np.int8:
+        return nibbles
+    low, high = (nibbles & 0x0F).view(np.int8), (nibbles >> 4).view(np.int8)
+    return np.concatenate([low, high], axis=axis) - np.int8(8)
+
+
+def weight_bytes(tensor: WeightTensor) -> int:
+    """Bytes the CPU backend holds for a tensor: Q4_0/Q8_0 packed with float32 scales
+    (20 or 36 bytes a block of 32), any other type as float32."""
+    n = int(np.prod(tensor.shape))
     if tensor.ggml_type == GGMLQuantizationType.Q4_0:
-        nibbles = blocks[..., 2:]  # element j in the low nibble of byte j, j + 16 in the high
-        ints = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32) - 8
-    else:
-        ints = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.float32)
-    return np.ascontiguousarray(ints.transpose(1, 2, 0)), np.ascontiguousarray(scales.T)
+        return n // Q8_BLOCK * 20
+    if tensor.ggml_type == GGMLQuantizationType.Q8_0:
+        return n // Q8_BLOCK * 36
+    return n * 4
+
+
+def drop_mapped_pages(tensors: Iterable[WeightTensor]) -> None:
+    """Drop the file pages mapped for these tensors from the process's resident set
+    (MADV_DONTNEED on the GGUF's read-only mapping: they stay in the page cache, and a later
+    read maps them again). The CPU backend keeps copies, so after the upload they are idle."""
+    maps = {id(m): m for t in tensors if (m := getattr(t.data, "_mmap", None)) is not None}
+    for mapping in maps.values():
+        if hasattr(mmap, "MADV_DONTNEED"):
+            with contextlib.suppress(OSError, ValueError):  # closed, or not supported
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def physical_cores() -> int:
+    """Physical cores of the host (distinct core ids per package in sysfs), else
+    os.cpu_count()."""
+    cores = set()
+    for cpu in range(os.cpu_count() or 1):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with (
+                open(topology + "physical_package_id") as package,
+                open(topology + "core_id") as core,
+            ):
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            continue
+    return len(cores) or os.cpu_count() or 1
 
 
 def rms_normalize(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
@@ -137,33 +208,87 @@ def quantize_q8(x: np.ndarray) -> np.ndarray:
 
 
 def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
-    """quantize_q8(x) @ weight.T, each output summed in the canonical order (module docstring).
+    """quantize_q8(x) @ weight.T, each output summed in the canonical order (module docstring),
+    by the compiled kernels of `cpu_kernels` (the arithmetic of `q8_matmul_reference`).
 
-    Row-independent: the integer block dots are exact however they are computed, and the
-    rest is elementwise: the same float32 operations on each output whatever the rows
-    around it. The shape of the call only picks the fastest way to get the dots.
+    Row-independent: each output is its own activation row's and weight row's float32
+    operations, in a fixed order, whatever the rows around it and the threads.
     """
-    n_blocks, _, n_out = weight.ints.shape
     q, scale_x = q8_blocks(x)
-    if x.shape[0] <= _EINSUM_ROWS and n_out <= _EINSUM_OUTPUTS:
-        # Decode of a session or two: one pass over the weights, faster than a BLAS call
-        # per block for a layer's matrices (not for the LM head's 49152 outputs).
-        return _q8_fold(np.einsum("rbi,bio->bro", q, weight.ints), scale_x, weight)
-    if n_blocks * n_out * x.shape[0] <= _STACKED_ELEMENTS:
-        dots = np.matmul(np.ascontiguousarray(q.transpose(1, 0, 2)), weight.ints)
-        return _q8_fold(dots, scale_x, weight)
-    out = np.empty((x.shape[0], n_out), dtype=np.float32)
-    chunk = max(1, _CHUNK_ELEMENTS // n_out)
-    for start in range(0, x.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        out[rows] = _q8_block_by_block(q[rows], scale_x[rows], weight)
+    if x.shape[0] > _KERNEL_ROWS:
+        return _q8_matmul_blas(q, scale_x, weight)
+    q = np.ascontiguousarray(q.transpose(0, 2, 1))  # element-major, as the weights
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
+    kernel(q, scale_x, weight.quants, weight.scales, out)
     return out
 
 
-def _q8_fold(dots: np.ndarray, scale_x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
-    """[rows, n_out] from every block's dots [n_blocks, rows, n_out] (overwritten)."""
-    n_blocks = weight.ints.shape[0]
-    scales = scale_x.T[:, :, None] * weight.scales[:, None, :]  # d_x * d_w, [b, r, o]
+def _q8_matmul_blas(q: np.ndarray, scale_x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
+    """A prompt chunk's q8_matmul: over chunks of output rows, the weights' integers
+    unpacked to float32 for the chunk, each block's dots by BLAS (exact in any order:
+    integers below 2^24), folded as `_q8_fold` does (`_q8_block_by_block`)."""
+    rows, n_blocks, _ = q.shape
+    n_out = weight.shape[0]
+    cols = max(16, min(n_out, _UNPACKED_ELEMENTS // (n_blocks * Q8_BLOCK)))
+    row_chunk = max(1, _CHUNK_ELEMENTS // cols)
+    out = np.empty((rows, n_out), dtype=np.float32)
+    for start in range(0, n_out, cols):
+        stop = min(n_out, start + cols)
+        ints = np.empty((n_blocks, Q8_BLOCK, stop - start), dtype=np.float32)
+        unpack_ints(weight.quants, start, stop, ints)
+        scale_w = np.ascontiguousarray(weight.scales[start:stop].T)
+        for r in range(0, rows, row_chunk):
+            part = slice(r, r + row_chunk)
+            out[part, start:stop] = _q8_block_by_block(q[part], scale_x[part], ints, scale_w)
+    return out
+
+
+def _q8_block_by_block(
+    q: np.ndarray, scale_x: np.ndarray, ints: np.ndarray, scale_w: np.ndarray
+) -> np.ndarray:
+    """As `_q8_fold` computes it, holding one block's terms at a time: q [rows, n_blocks, 32]
+    and scale_x [rows, n_blocks]; ints [n_blocks, 32, n_out] and scale_w [n_blocks, n_out]."""
+    n_blocks, _, n_out = ints.shape
+    total, stage, dot, scale = (np.empty((q.shape[0], n_out), np.float32) for _ in range(4))
+    for b in range(0, n_blocks, 2):
+        np.matmul(q[:, b], ints[b], out=stage)
+        np.multiply.outer(scale_x[:, b], scale_w[b], out=scale)
+        stage *= scale  # fmaf(d, dot, 0)
+        if b + 1 < n_blocks:  # the stage's second block: fmaf(d, dot, stage)
+            np.matmul(q[:, b + 1], ints[b + 1], out=dot)
+            np.multiply.outer(scale_x[:, b + 1], scale_w[b + 1], out=scale)
+            _fma(scale, dot, stage, out=stage)
+        if b == 0:
+            total, stage = stage, total
+        else:
+            total += stage
+    return total
+
+
+def compile_kernels() -> None:
+    """Compile (or load from numba's cache) every kernel q8_matmul calls: both weight layouts,
+    both ways (rows for the kernels, a prompt chunk's for BLAS)."""
+    x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
+    for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
+        matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))
+        q8_matmul(x[:1], matrix)
+        q8_matmul(x, matrix)
+
+
+def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
+    """`q8_matmul` in numpy: the canonical arithmetic written out (`_q8_fold`), for tests."""
+    q, scale_x = q8_blocks(x)
+    ints = _as_int8(weight.quants, axis=1).transpose(0, 2, 1).astype(np.float32)  # [o, b, 32]
+    dots = np.einsum("rbi,obi->bro", q, ints)  # integers below 2^24: exact in any order
+    return _q8_fold(dots, scale_x, weight.scales.T)
+
+
+def _q8_fold(dots: np.ndarray, scale_x: np.ndarray, scale_w: np.ndarray) -> np.ndarray:
+    """[rows, n_out] from every block's dots [n_blocks, rows, n_out] (overwritten) and the
+    scales scale_x [rows, n_blocks], scale_w [n_blocks, n_out]."""
+    n_blocks = dots.shape[0]
+    scales = scale_x.T[:, :, None] * scale_w[:, None, :]  # d_x * d_w, [b, r, o]
     stages = np.multiply(dots[0::2], scales[0::2], out=dots[0::2])  # fmaf(d, dot, 0)
     pairs = n_blocks // 2
     _fma(scales[1::2], dots[1::2], stages[:pairs], out=stages[:pairs])  # fmaf(d, dot, stage)
@@ -179,25 +304,6 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.nda
     a * b over ~2^29 times c; only then can rounding twice (to float64, then to float32)
     differ from fmaf's single rounding, and only on a float32 tie."""
     return np.add(np.multiply(a, b, dtype=np.float64), c, out=out, dtype=np.float64)
-
-
-def _q8_block_by_block(q: np.ndarray, scale_x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
-    """As `_q8_fold` computes it, holding one block's terms at a time (prompt chunks)."""
-    n_blocks, _, n_out = weight.ints.shape
-    total, stage, dot, scale = (np.empty((q.shape[0], n_out), np.float32) for _ in range(4))
-    for b in range(0, n_blocks, 2):
-        np.matmul(q[:, b], weight.ints[b], out=stage)
-        np.multiply.outer(scale_x[:, b], weight.scales[b], out=scale)
-        stage *= scale  # fmaf(d, dot, 0)
-        if b + 1 < n_blocks:  # the stage's second block: fmaf(d, dot, stage)
-            np.matmul(q[:, b + 1], weight.ints[b + 1], out=dot)
-            np.multiply.outer(scale_x[:, b + 1], weight.scales[b + 1], out=scale)
-            _fma(scale, dot, stage, out=stage)
-        if b == 0:
-            total, stage = stage, total
-        else:
-            total += stage
-    return total
 
 
 def rowwise_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -222,12 +328,20 @@ class CpuBackend:
         n_ctx: int,
         activations: str = "q8",
         lookahead: bool = False,
+        threads: int | None = None,
     ) -> None:
         """`lookahead`: take part in pipelined decode (StepRunner) the lazy way: a step
         issued ahead runs when it is taken, and not at all when it is dropped. The host has
-        nothing to overlap it with, so it is off by default; the engine's tests turn it on."""
+        nothing to overlap it with, so it is off by default; the engine's tests turn it on.
+        `threads`: the matmul's threads (numba's pool) and the BLAS pools' limit; None: the
+        physical cores, at most numba's maximum."""
         if activations not in ("q8", "f32"):
             raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS)
+        # Process-wide: BLAS runs only between the kernels, on as many threads as they use.
+        self._blas_limits = threadpool_limits(limits=self.threads, user_api="blas")
         self.hparams = hparams
         self.activations = activations
         self.lookahead = lookahead
@@ -242,7 +356,7 @@ class CpuBackend:
 
     def device_info(self) -> dict[str, object]:
         # Row-independent matmuls: a token's logits do not depend on the rows beside it.
-        return {"backend": self.name, "device": "cpu", "threads": os.cpu_count(),
+        return {"backend": self.name, "device": "cpu", "threads": self.threads,
                 "batch_invariant": True}  # fmt: skip
 
     def to_host(self, values: np.ndarray) -> np.ndarray:
@@ -293,7 +407,17 @@ class CpuBackend:
             logits if want_logits else None,
         )
 
+    def warm_up(self) -> None:
+        """Compile the matmul kernels now (the daemon's warm-up, before `ready`), not on the
+        first prompt long enough to take the BLAS way."""
+        numba.set_num_threads(self.threads)
+        compile_kernels()
+
     # --- weights -------------------------------------------------------------------
+    def weights_uploaded(self, tensors: Iterable[WeightTensor]) -> None:
+        """After the upload: the weights are copies, so the file's pages leave the RSS."""
+        drop_mapped_pages(tensors)
+
     def linear(self, *tensors: WeightTensor) -> BlockMatrix | np.ndarray:
         """A BlockMatrix where every tensor is Q4_0/Q8_0, else float32 [n_out, n_in]."""
         if all(is_block_quantized(t) for t in tensors):
@@ -317,6 +441,7 @@ class CpuBackend:
             dense = weight.dense if isinstance(weight, BlockMatrix) else weight
             return rowwise_matmul(x, dense)
         if isinstance(weight, BlockMatrix):
+            numba.set_num_threads(self.threads)  # per calling thread: set where it runs
             return q8_matmul(x, weight)
         return rowwise_matmul(quantize_q8(x), weight)
 

@@ -134,6 +134,9 @@ class Engine:
                 f"a slot allocator of {slots.n_slots} slots for an engine of {n_slots}",
             )
         self.weights = upload_weights(model, backend, lambda: _stop_point(should_stop))
+        uploaded = getattr(backend, "weights_uploaded", None)  # the CPU's: unmaps the file
+        if uploaded is not None:
+            uploaded(model.tensors.values())
         self.slots = slots if slots is not None else SlotAllocator(n_slots, n_ctx)
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
@@ -151,17 +154,19 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         slots: SlotAllocator | None = None,
         should_stop: Callable[[], bool] | None = None,
+        threads: int | None = None,
         **backend_options: Any,
     ) -> "Engine":
         """Load a GGUF (or a model file already read) onto a backend; `backend_options` go to
-        create_backend. `should_stop` is asked before each stage and between layers of the
+        create_backend. `threads`: the CPU backend's threads (None: the physical cores; the
+        GPU backends ignore it). `should_stop` is asked before each stage and between layers of the
         upload: when it says yes, LoadCancelled is raised."""
         model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
         _stop_point(should_stop)
         backend_options.setdefault("max_tokens", step_token_budget(prefill_chunk, n_slots))
         device = create_backend(
-            backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, **backend_options
+            backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, threads=threads, **backend_options
         )
         prefill_chunk = min(prefill_chunk, getattr(device, "max_tokens", prefill_chunk))
         return cls(

@@ -88,6 +88,7 @@ def _serve(args: argparse.Namespace) -> None:
         ctx_size=args.ctx_size,
         max_sessions=args.max_sessions,
         memory_limit=args.gpu_memory_limit,
+        threads=args.threads,
         idle_timeout_s=args.idle_timeout,
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens,
@@ -512,6 +513,20 @@ BATCH_INVARIANT_HELP = (
 )
 
 
+THREADS_HELP = "CPU backend threads (default: the physical cores); other backends ignore it"
+
+
+def thread_count(text: str) -> int:
+    """--threads: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_server_commands(sub: Any) -> None:
     """Register serve, client, keys and demo on the `rocforge` subparsers."""
     serve = sub.add_parser("serve", help="run the ZeroMQ daemon")
@@ -520,6 +535,7 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument("--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint (loopback default)")
     serve.add_argument("--ctx-size", type=int, default=2048, help="tokens per session")
     serve.add_argument("--max-sessions", type=int, default=4, help="sessions (KV slots)")
+    serve.add_argument("--threads", type=thread_count, help=THREADS_HELP)
     serve.add_argument(
         "--gpu-memory-limit",
         type=parse_size,

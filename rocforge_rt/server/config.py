@@ -12,7 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocforge_rt.backends import device_memory_bytes, resolve_backend_name
+from rocforge_rt.backends import (
+    device_memory_bytes,
+    resolve_backend_name,
+    weights_memory_bytes,
+)
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from rocforge_rt.engine.kv_cache import SlotAllocator, kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.errors import RocforgeError
@@ -39,6 +43,7 @@ class DaemonConfig:
     ctx_size: int = 2048
     max_sessions: int = 4
     memory_limit: int | None = None  # bytes for weights + KV pool; None: the device (or host RAM)
+    threads: int | None = None  # the CPU backend's threads; None: the physical cores
     idle_timeout_s: float = 300.0
     max_prompt_tokens: int | None = None  # None: the context size - 1
     max_new_tokens: int | None = None  # None: the context size
@@ -116,9 +121,11 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         )
     kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
     limit = config.memory_limit
+    resolved = resolve_backend_name(config.backend)
     if limit is None:
-        limit = device_memory_bytes(resolve_backend_name(config.backend))
-    weights = sum(t.nbytes for t in model.tensors.values())
+        limit = device_memory_bytes(resolved)
+    # What the backend allocates for them (the CPU: packed quants with float32 scales).
+    weights = weights_memory_bytes(resolved, model.tensors.values())
     check_memory(
         kv_bytes=kv,
         weights_bytes=weights,
@@ -154,6 +161,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             prefill_chunk=config.prefill_chunk,
             batch_invariant=config.batch_invariant,
             lookahead=config.pipelined_decode,
+            threads=config.threads,
             slots=slots,
             should_stop=should_stop,
         )

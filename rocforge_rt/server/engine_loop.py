@@ -218,6 +218,9 @@ class EngineLoop:
         its step graph per batch size), before `ready`; LoadCancelled between steps when
         asked to stop."""
         engine = self.engine
+        prepare = getattr(engine.backend, "warm_up", None)  # the CPU's: compiles its kernels
+        if prepare is not None:
+            prepare()
         token = engine.tokenizer.bos_id if engine.tokenizer and engine.tokenizer.bos_id else 0
         n_slots = engine.slots.n_slots
         sessions = [engine.open_session([token], max_tokens=n_slots + 1) for _ in range(n_slots)]

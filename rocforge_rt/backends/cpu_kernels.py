@@ -1,0 +1,146 @@
+"""The CPU backend's compiled matmul: int8 activations times Q4_0/Q8_0 weights, in numba.
+
+Every output is the float32 arithmetic of `cpu._q8_fold`, in its order (the GPU's
+canonical sum, `kernels/rf_q8.h`): per block the exact integer dot of the activation's and
+the weight's integers; the scale d = d_x * d_w in float32; per stage of two blocks
+s = fma(d_1, dot_1, d_0 * dot_0), the fused multiply-add taken through float64 as `cpu._fma`
+does (d * dot is exact there, so the sum is rounded once: to float32); the stage sums added
+left to right in float32. `fastmath=False`: LLVM keeps every float operation as written
+(no reassociation, no contraction).
+
+The block dots are taken in float32 on integers (|product| <= 127 * 128, |dot| < 2^19: every
+partial sum is exact). Operands are laid out element-major ([32, n_blocks] per row: element
+j of every block side by side), so that the dots of all of a row's blocks advance together,
+element by element: a loop over blocks of independent sums, which LLVM vectorizes without
+reordering any sum.
+
+The parallel loop runs over chunks of output rows, and an output's value depends only
+on its own activation row and weight row: the result is the same whatever the rows beside
+it and whatever the thread count.
+
+Compiled on first use and cached on disk (`cache=True`: in the package's __pycache__, or,
+where that is read-only, numba's user-wide cache directory; NUMBA_CACHE_DIR overrides).
+Where numba finds no writable place at all it refuses `cache=True` when the function is
+decorated (a RuntimeError at import): `_compiled` then takes the kernels uncached, compiled
+on every start.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+_CHUNK = 16  # output rows per parallel iteration (each iteration's buffers are its own)
+
+
+def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """njit(cache=True, fastmath=False, **options), or uncached where numba has no cache
+    directory it can write."""
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        try:
+            return njit(cache=True, fastmath=False, **options)(function)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return njit(cache=False, fastmath=False, **options)(function)
+
+    return decorate
+
+
+@_compiled()
+def _fold(dots, sx, sw, r, o):  # pragma: no cover - compiled
+    """The canonical sum of row r's and output o's block dots (float32 integers)."""
+    n_blocks = dots.shape[0]
+    total = np.float32(0.0)
+    for b in range(0, n_blocks, 2):
+        stage = (sx[r, b] * sw[o, b]) * dots[b]  # fmaf(d, dot, 0)
+        if b + 1 < n_blocks:  # fmaf(d, dot, stage), rounded once (d * dot exact in float64)
+            d = np.float64(sx[r, b + 1] * sw[o, b + 1])
+            stage = np.float32(d * np.float64(dots[b + 1]) + np.float64(stage))
+        if b == 0:
+            total = stage
+        else:
+            total += stage
+    return total
+
+
+@_compiled(parallel=True)
+def q8_q4_matmul(qx, sx, nibbles, sw, out):  # pragma: no cover - compiled
+    """out[r, o] for int8 activations qx (float32 integers [rows, 32, n_blocks]) with scales
+    sx [rows, n_blocks], and Q4_0 weights: nibbles uint8 [n_out, 16, n_blocks] (byte j of
+    each block: element j in the low nibble, j + 16 in the high; integer = nibble - 8) with
+    scales sw [n_out, n_blocks]."""
+    rows, n_blocks = sx.shape
+    n_out = sw.shape[0]
+    for c in prange((n_out + _CHUNK - 1) // _CHUNK):
+        dots = np.empty(n_blocks, dtype=np.float32)
+        w = np.empty((32, n_blocks), dtype=np.float32)
+        for o in range(c * _CHUNK, min(n_out, (c + 1) * _CHUNK)):
+            if rows <= 2:  # decode: the nibbles read as they are used
+                for r in range(rows):
+                    dots[:] = 0
+                    for j in range(16):
+                        for b in range(n_blocks):
+                            byte = np.int32(nibbles[o, j, b])
+                            low = np.float32((byte & 15) - 8)
+                            high = np.float32((byte >> 4) - 8)
+                            dots[b] = dots[b] + qx[r, j, b] * low + qx[r, j + 16, b] * high
+                    out[r, o] = _fold(dots, sx, sw, r, o)
+            else:  # a prompt chunk: the weight row's integers unpacked once
+                for j in range(16):
+                    for b in range(n_blocks):
+                        byte = np.int32(nibbles[o, j, b])
+                        w[j, b] = np.float32((byte & 15) - 8)
+                        w[j + 16, b] = np.float32((byte >> 4) - 8)
+                for r in range(rows):
+                    dots[:] = 0
+                    for j in range(32):
+                        for b in range(n_blocks):
+                            dots[b] = dots[b] + qx[r, j, b] * w[j, b]
+                    out[r, o] = _fold(dots, sx, sw, r, o)
+
+
+@_compiled(parallel=True)
+def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
+    """As q8_q4_matmul for int8 weights ints [n_out, 32, n_blocks] (Q8_0, or Q4_0 rows
+    stacked beside Q8_0 ones)."""
+    rows, n_blocks = sx.shape
+    n_out = sw.shape[0]
+    for c in prange((n_out + _CHUNK - 1) // _CHUNK):
+        dots = np.empty(n_blocks, dtype=np.float32)
+        w = np.empty((32, n_blocks), dtype=np.float32)
+        for o in range(c * _CHUNK, min(n_out, (c + 1) * _CHUNK)):
+            if rows <= 2:
+                for r in range(rows):
+                    dots[:] = 0
+                    for j in range(32):
+                        for b in range(n_blocks):
+                            dots[b] = dots[b] + qx[r, j, b] * np.float32(ints[o, j, b])
+                    out[r, o] = _fold(dots, sx, sw, r, o)
+            else:
+                for j in range(32):
+                    for b in range(n_blocks):
+                        w[j, b] = np.float32(ints[o, j, b])
+                for r in range(rows):
+                    dots[:] = 0
+                    for j in range(32):
+                        for b in range(n_blocks):
+                            dots[b] = dots[b] + qx[r, j, b] * w[j, b]
+                    out[r, o] = _fold(dots, sx, sw, r, o)
+
+
+@_compiled(parallel=True)
+def unpack_ints(quants, start, stop, out):  # pragma: no cover - compiled
+    """out [n_blocks, 32, stop - start] float32: the integers of weight rows start..stop
+    (quants: Q4_0 nibbles uint8 [n_out, 16, n_blocks] or int8 [n_out, 32, n_blocks])."""
+    n_blocks = quants.shape[2]
+    nibbles = quants.shape[1] == 16
+    for b in prange(n_blocks):
+        for j in range(quants.shape[1]):
+            for o in range(start, stop):
+                if nibbles:
+                    byte = np.int32(quants[o, j, b])
+                    out[b, j, o - start] = np.float32((byte & 15) - 8)
+                    out[b, j + 16, o - start] = np.float32((byte >> 4) - 8)
+                else:
+                    out[b, j, o - start] = np.float32(quants[o, j, b])
