@@ -1,11 +1,27 @@
 """Shared fixtures: the default model (built on first use) and its source GGUF, synthetic
-models, the GPU driver."""
+models, the GPU driver; and the root logger as each test found it."""
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rocforge_rt.model.default_model import source_gguf_path
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A command a test runs in-process (serve, http, generate) configures logging: its
+    handler writes to that test's captured stderr, closed once the test ends, and its level
+    would apply to every later test. Both go when the test ends."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

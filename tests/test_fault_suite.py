@@ -27,7 +27,7 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_daemon import PROMPT, TINY, Peer, serving, slow, wait_for
-from test_daemon_hardening import CASES, decode_steps, probe, race
+from test_daemon_hardening import CASES, answered_as_expected, decode_steps, probe, race
 
 from clients.rocforge_client import connect
 from rocforge_rt.server import backlog as backlog_module
@@ -181,8 +181,8 @@ def test_every_numeric_boundary_value(suite: tuple[Daemon, list[int]]) -> None:
     daemon, _ = suite
     peer = Peer(daemon.endpoint)
     try:
-        wrong = [(op, name, value, expected, got) for op, name, value, expected in CASES
-                 if (got := probe(peer, op, name, value)) != expected]  # fmt: skip
+        answers = [(case, probe(peer, *case[:3])) for case in CASES]
+        wrong = [(*case, got) for case, got in answers if not answered_as_expected(got, case[3])]
     finally:
         peer.close()
     TALLY["boundary values"] += len(CASES)
