@@ -64,6 +64,19 @@ def _fold(dots, sx, sw, r, o):  # pragma: no cover - compiled
     return total
 
 
+@_compiled()
+def _unpacked_rows(qx, w, sx, sw, o, dots, out):  # pragma: no cover - compiled
+    """out[:, o] for every activation row, from weight row o's integers w [32, n_blocks]
+    (float32): a prompt chunk's rows share the one unpacking."""
+    n_blocks = w.shape[1]
+    for r in range(qx.shape[0]):
+        dots[:] = 0
+        for j in range(32):
+            for b in range(n_blocks):
+                dots[b] = dots[b] + qx[r, j, b] * w[j, b]
+        out[r, o] = _fold(dots, sx, sw, r, o)
+
+
 @_compiled(parallel=True)
 def q8_q4_matmul(qx, sx, nibbles, sw, out):  # pragma: no cover - compiled
     """out[r, o] for int8 activations qx (float32 integers [rows, 32, n_blocks]) with scales
@@ -92,12 +105,7 @@ def q8_q4_matmul(qx, sx, nibbles, sw, out):  # pragma: no cover - compiled
                         byte = np.int32(nibbles[o, j, b])
                         w[j, b] = np.float32((byte & 15) - 8)
                         w[j + 16, b] = np.float32((byte >> 4) - 8)
-                for r in range(rows):
-                    dots[:] = 0
-                    for j in range(32):
-                        for b in range(n_blocks):
-                            dots[b] = dots[b] + qx[r, j, b] * w[j, b]
-                    out[r, o] = _fold(dots, sx, sw, r, o)
+                _unpacked_rows(qx, w, sx, sw, o, dots, out)
 
 
 @_compiled(parallel=True)
@@ -121,12 +129,7 @@ def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
                 for j in range(32):
                     for b in range(n_blocks):
                         w[j, b] = np.float32(ints[o, j, b])
-                for r in range(rows):
-                    dots[:] = 0
-                    for j in range(32):
-                        for b in range(n_blocks):
-                            dots[b] = dots[b] + qx[r, j, b] * w[j, b]
-                    out[r, o] = _fold(dots, sx, sw, r, o)
+                _unpacked_rows(qx, w, sx, sw, o, dots, out)
 
 
 @_compiled(parallel=True)
