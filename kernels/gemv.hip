@@ -31,6 +31,11 @@
 // per-warp fold buffer in shared memory, from which lane v folds sum v (one per
 // weight row and activation row) in stage order. Warps walk the row groups with a
 // grid stride, so the host may launch fewer blocks than groups.
+// Successor launch (programmatic dependent launch): with release_early the next kernel
+// may launch as soon as this one's wait is over, else only at its end. A grid that leaves
+// multiprocessors idle (the host decides: Matmul.gemv) gains from the early release, since
+// the next kernel's blocks start loading on them; a grid that fills the device loses, its
+// successor's blocks crowding onto the first multiprocessors to free up.
 // Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);
 //            RF_EPILOGUE_SWIGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
 //
@@ -290,8 +295,8 @@ template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
                               const uint8_t* RF_RESTRICT xq, const float* RF_RESTRICT gain,
-                              float eps, int epilogue, const float* residual, float* out,
-                              const rf_rope_out& rope) {
+                              float eps, int release_early, int epilogue, const float* residual,
+                              float* out, const rf_rope_out& rope) {
     static_assert(!ROPE || (NO % 2 == 0 && !SWIGLU), "RoPE takes (even, odd) row pairs");
     constexpr int NW = SWIGLU ? 2 * NO : NO;
     constexpr int NV = NW * RCAP;  // sums of a row group: lane v folds (row v / RCAP, x row v % RCAP)
@@ -318,6 +323,9 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);  // in flight during the wait and prologue
     }
     rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
+    if (release_early) {
+        rf_pdl_launch_dependents();
+    }
     if (xq != nullptr) {  // quantized once by rf_quantize_q8_gemv, in this layout
         const int pieces = rf_q8_rows_bytes(rows, n_rows) / 16;
         for (int i = threadIdx.x; i < pieces; i += RF_GEMV_THREADS) {
@@ -422,32 +430,32 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         while (step(w_a, w_b) && step(w_b, w_a)) {
         }
     }
-    // Let the next kernel launch only now: launched while this grid still fills the
-    // device, its blocks would crowd onto the first multiprocessors to free up.
-    rf_pdl_launch_dependents();
+    rf_pdl_launch_dependents();  // a no-op after the early release
 }
 
 #define RF_GEMV_PARAMS                                                                   \
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
         const float *RF_RESTRICT x, int n_rows, const uint8_t *RF_RESTRICT xq,           \
-        const float *RF_RESTRICT gain, float eps, int epilogue, const float *residual,  \
-        float *out
-#define RF_GEMV_CALL(format, no, swiglu, rcap)                                                \
-    rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, epilogue,      \
-                                      residual, out, rf_rope_out{})
+        const float *RF_RESTRICT gain, float eps, int release_early, int epilogue,      \
+        const float *residual, float *out
+#define RF_GEMV_CALL(format, no, swiglu, rcap)                                               \
+    rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, \
+                                      epilogue, residual, out, rf_rope_out{})
 
 // The QKV GEMV with RoPE + KV-append in its epilogue (rf_rope.h): q to q_out, k and v
 // into the KV pool at each token's slot and position (step state).
 #define RF_GEMV_ROPE_PARAMS                                                              \
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,     \
         const float *RF_RESTRICT x, int n_rows, const uint8_t *RF_RESTRICT xq,           \
-        const float *RF_RESTRICT gain, float eps, const int32_t *positions,              \
-        const int32_t *slots, const float *cos_table, const float *sin_table, float *q_out, \
+        const float *RF_RESTRICT gain, float eps, int release_early,                     \
+        const int32_t *positions, const int32_t *slots, const float *cos_table,          \
+        const float *sin_table, float *q_out,                                            \
         uint16_t *k_cache, uint16_t *v_cache, int q_dim, int kv_dim, int head_dim,       \
         int rope_dims, int n_ctx
 #define RF_GEMV_ROPE_CALL(format, no, rcap)                                                      \
     rf_gemv<format, no, false, rcap, true>(                                                      \
-        w_qs, w_d, n, k, x, n_rows, xq, gain, eps, RF_EPILOGUE_STORE, nullptr, nullptr,          \
+        w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, RF_EPILOGUE_STORE, nullptr,    \
+        nullptr,                                                                                 \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
                     head_dim, rope_dims, n_ctx})
 

@@ -11,12 +11,15 @@ PATH-TO-llama-bench, one llama-bench call on the same file (all layers on the GP
 or none with --backend cpu), in turn. Figures are medians over all runs (llama-bench:
 over its rounds' averages), and the ratios are printed. Results go to --out as JSON.
 --kernels NAME=DIR (repeatable) loads each engine once more per kernel source tree (an
-A/B of kernel changes in one run, the trees' engines timed in turn each round).
+A/B of kernel changes in one run, the trees' engines timed in turn each round);
+--matmul-lever ATTR=VALUE (repeatable) one more per value of a numeric attribute of the
+GPU backend's Matmul (a launch heuristic's A/B, e.g. gemv_max_blocks_per_sm=2).
 """
 
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import statistics
@@ -76,6 +79,7 @@ class ModeBench:
         overlap: bool = True,
         lookahead: bool = True,
         kernels: tuple[str, str] | None = None,
+        lever: tuple[str, float] | None = None,
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
@@ -86,6 +90,14 @@ class ModeBench:
         self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
         if kernels:
             self.label += f" [{kernels[0]}]"
+        if lever:
+            attr, value = lever
+            matmul = getattr(self.engine.backend, "matmul", None)
+            if not isinstance(getattr(matmul, attr, None), int | float):
+                raise SystemExit(f"error: the {self.engine.backend.name} backend has no "
+                                 f"numeric Matmul attribute {attr!r}")  # fmt: skip
+            setattr(matmul, attr, value)
+            self.label += f" [{attr}={value}]"
         self.rng = np.random.default_rng(0)
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
@@ -155,6 +167,18 @@ def kernels_variant(text: str) -> tuple[str, str]:
     return name, directory
 
 
+def matmul_lever(text: str) -> tuple[str, float]:
+    """ATTR=VALUE of --matmul-lever (VALUE a number)."""
+    attr, sep, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not sep or not attr.isidentifier() or math.isnan(number):
+        raise argparse.ArgumentTypeError(f"expected ATTR=NUMBER, got {text!r}")
+    return attr, int(number) if number.is_integer() else number
+
+
 def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:
     return mode + ("" if overlap else " (no overlap)") + ("" if lookahead else " (not pipelined)")
 
@@ -199,6 +223,10 @@ def main() -> int:
         "--kernels", action="append", type=kernels_variant, default=[], metavar="NAME=DIR",
         help="also load each engine with the kernel sources in DIR (an A/B of kernel trees)",
     )  # fmt: skip
+    parser.add_argument(
+        "--matmul-lever", action="append", type=matmul_lever, default=[], metavar="ATTR=VALUE",
+        help="also load each GPU engine with its Matmul's ATTR set to VALUE (a launch A/B)",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
 
@@ -207,6 +235,7 @@ def main() -> int:
     for mode in (args.mode or list(MODES)) if on_gpu else [None]:
         benches.append(ModeBench(args, mode))
         benches += [ModeBench(args, mode, kernels=variant) for variant in args.kernels]
+        benches += [ModeBench(args, mode, lever=lever) for lever in args.matmul_lever]
         if mode and args.overlap_ab:
             benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:

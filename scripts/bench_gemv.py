@@ -260,7 +260,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
 
     xq_buf = backend.workspace.gemv_xq
     args_of = lambda m, xq: (  # noqa: E731
-        m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, xq, gain_ptr, EPS,
+        m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, xq, gain_ptr, EPS, 0,
         shape.epilogue, res_ptr, out_buf.ptr,
     )  # fmt: skip
     quantize = bench.handle(

@@ -235,6 +235,18 @@ def test_decode_bench_refuses_a_kernel_tree_that_is_not_a_folder(tiny_model, tmp
     assert result.returncode == 2 and "NAME=DIR" in result.stderr
 
 
+def test_decode_bench_refuses_a_matmul_lever_that_is_not_a_number_or_not_an_attribute(
+    tiny_model,
+):
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu",
+                        "--matmul-lever", "gemv_max_blocks_per_sm=many")  # fmt: skip
+    assert result.returncode == 2 and "ATTR=NUMBER" in result.stderr
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--matmul-lever", "gemv_max_blocks_per_sm=2")  # fmt: skip
+    assert result.returncode == 1
+    assert "no numeric Matmul attribute 'gemv_max_blocks_per_sm'" in result.stderr
+
+
 def test_engines_loaded_inside_kernel_sources_compile_that_tree_and_nothing_else_does(
     monkeypatch, tmp_path
 ):

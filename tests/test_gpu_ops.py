@@ -5,6 +5,8 @@ arithmetic: max relative error 1e-3) and with float32 activations (2e-2).
 Relative error here is max |gpu - ref| / max |ref|.
 """
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -76,6 +78,27 @@ def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
     (pre_normed, pre_added), (own_normed, own_added) = results
     assert np.array_equal(pre_normed, own_normed)
     assert np.array_equal(pre_added, own_added)
+
+
+@pytest.mark.parametrize("n", [576, 3072])  # 72 and 192 blocks
+def test_a_gemv_releases_its_successor_early_exactly_when_its_grid_leaves_multiprocessors_idle(
+    gpu, n, monkeypatch
+):
+    """release_early (kernels/gemv.hip) is passed for a one-row GEMV grid of fewer blocks
+    than the device has multiprocessors, and changes no bit of the outputs."""
+    rng = np.random.default_rng(n)
+    k = 576
+    x = gpu.load_activation(rng.standard_normal((1, k)).astype(np.float32))
+    gain = gpu.vector(WeightTensor("g", Q.F32, (k,), np.ones(k, dtype=np.float32)))
+    matrix = gpu.linear(weight(rng, n, k))
+    before = set(gpu.launcher.handles)
+    default = gpu.to_host(gpu.norm_matmul(x, gain, matrix))
+    (handle,) = [h for key, h in gpu.launcher.handles.items() if key not in before]
+    release = struct.unpack_from("<i", handle.packed_bytes, handle.layout.offsets[9])[0]
+    assert release == int(handle.grid[0] < gpu.driver.info.multiprocessors)
+    for blocks_per_sm in (0, 10**6):  # never, always
+        monkeypatch.setattr(gpu.matmul, "gemv_early_release_blocks_per_sm", blocks_per_sm)
+        assert np.array_equal(gpu.to_host(gpu.norm_matmul(x, gain, matrix)), default)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 29])
@@ -197,10 +220,11 @@ def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_
 # Head dims x GQA groups (SmolLM2: 64 x 3, Llama-3.2-1B: 64 x 4, Llama-3-8B: 128 x 4; 32 and
 # 96 are the other head dims the kernels take), and contexts on both sides of the
 # 64-position key tiles and of the decode kernel's one-block contexts (up to 1 tile for
-# head dims 96 and 128, 2 for 64, 3 for 32), up to the longest cache below.
+# head dims 96 and 128, 2 for 64, 3 for 32), up to the longest cache below (20,000
+# positions: 313 key tiles).
 ATTN_SHAPES = [(64, 3), (64, 4), (64, 8), (128, 3), (128, 4), (128, 8), (32, 1), (96, 6)]
-ATTN_CONTEXTS = [1, 63, 64, 65, 128, 129, 192, 193, 1000, 8192]
-ATTN_N_CTX, ATTN_CHUNK = 8192, 24  # a chunk past GEMV_MAX_ROWS takes the prefill kernel
+ATTN_CONTEXTS = [1, 63, 64, 65, 128, 129, 192, 193, 1000, 8192, 20000]
+ATTN_N_CTX, ATTN_CHUNK = 20032, 24  # a chunk past GEMV_MAX_ROWS takes the prefill kernel
 # The softmax weights enter the matrix units as fp16 (relative rounding <= 2^-11), q as two
 # fp16 parts hi + lo (about 22 bits). Measured on an H100 against the fp32 CPU reference,
 # with standard-normal q, k, v as here: at most 3.0e-4 over these shapes and contexts (keys

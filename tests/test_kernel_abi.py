@@ -52,8 +52,8 @@ from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE, RowSampling, Sampler, Sa
 KERNELS = kernels_dir()
 SOURCES = sorted(p.name for p in KERNELS.glob("*.hip"))
 HEADERS = {p.name: p.read_text() for p in sorted(KERNELS.glob("*.h"))}
-# weights, n, k, x, rows, the row quantized once (or null), gain, eps
-GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "ptr", "f32")
+# weights, n, k, x, rows, the row quantized once (or null), gain, eps, release early
+GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "ptr", "f32", "i32")
 
 
 def signatures() -> dict[str, tuple[str, ...]]:
