@@ -113,8 +113,8 @@ def test_row_sampling_carries_each_rows_parameters_and_seed():
     sampler = Sampler(SamplingParams(temperature=0.5, top_k=40, top_p=0.9, seed=11, logprobs=2))
     rows = RowSampling.of([GREEDY, sampler])
     assert rows.rows == 2 and rows.needs_sampler
-    params, seed = rows.row(1)
-    assert (params.top_k, params.logprobs, seed) == (40, 2, 11)
+    params, seed, recent = rows.row(1)
+    assert (params.top_k, params.logprobs, seed, recent) == (40, 2, 11, None)
     assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9)
     assert not RowSampling.greedy(3).needs_sampler
     assert RowSampling.of([Sampler(SamplingParams(logprobs=1))]).needs_sampler

@@ -396,10 +396,10 @@ class CpuBackend:
         batch: StepBatch, forward: Callable[[StepBatch], np.ndarray], want_logits: bool
     ) -> StepOutput:
         logits = forward(batch)
-        picked = [
-            sample_row(row, *batch.sampling.row(r), int(position))
-            for r, (row, position) in enumerate(zip(logits, batch.draw_positions, strict=True))
-        ]
+        picked = []
+        for r, (row, position) in enumerate(zip(logits, batch.draw_positions, strict=True)):
+            params, seed, recent = batch.sampling.row(r)
+            picked.append(sample_row(row, params, seed, int(position), recent))
         return StepOutput(
             np.array([p.token for p in picked], dtype=np.int32),
             np.array([p.logprob for p in picked], dtype=np.float32),

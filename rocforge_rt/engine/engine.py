@@ -352,7 +352,7 @@ class Engine:
 
     @staticmethod
     def _sampling(sessions: Sequence[Session]) -> RowSampling:
-        return RowSampling.of([s.sampler for s in sessions])
+        return RowSampling.of([s.sampler for s in sessions], [s.history for s in sessions])
 
     def prefill(
         self, session: Session, *, should_stop: Callable[[], bool] | None = None

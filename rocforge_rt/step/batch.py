@@ -118,7 +118,9 @@ class StepBatch:
     def next_decode(self, tokens: np.ndarray) -> "StepBatch":
         """The decode step after this one (a decode step): the same rows, each feeding the
         token it sampled (`tokens`) one position on."""
-        return StepBatch(tokens, self.positions + 1, self.slots, self.logit_rows, self.sampling)
+        positions = self.positions + 1
+        sampling = self.sampling.advanced(tokens, positions)
+        return StepBatch(tokens, positions, self.slots, self.logit_rows, sampling)
 
     def next_decode_fits(self, n_ctx: int) -> bool:
         """Whether the decode step after this one stays inside slots of `n_ctx` positions."""

@@ -1,18 +1,27 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded; the reference for the device.
+"""Token sampling: penalties, greedy, temperature, top-k, min-p, top-p, seeded; the
+reference for the device.
 
 Every backend samples inside its step with the same rules; this module holds them
 in numpy (the CPU backend runs it, the GPU tests compare kernels/sampling.hip to it):
 
+- Penalties first, llama.cpp's (its sampler `penalties`), over the last PENALTY_WINDOW
+  tokens of the context, prompt included (`recent`): each token seen there c times has
+  its logit x divided by repetition_penalty (multiplied, when x <= 0), then
+  x - (c * frequency_penalty + presence_penalty), in float32 in that order. Everything
+  below, log-probabilities included, sees the penalized logits.
 - Greedy (temperature 0, or top_k 1): the argmax, lowest index among equal maxima.
 - Otherwise tokens are ranked by logit, then by index (lower first). The candidates
   are the top_k best (all when top_k is 0). Each candidate weighs
   W = floor(exp((x - max) / temperature) * 2^40) in integers (float32 exp), so every
-  sum below is exact and the same in any order. top_p < 1 keeps the shortest ranked
-  prefix whose weight reaches ceil(top_p * total), the nucleus. The draw is a 64-bit
-  hash of (seed, position of the drawn token) scaled to the nucleus weight, looked up
-  in the nucleus in token-id order.
-- Reported log-probabilities are the model's own (the log-softmax of the logits at
-  temperature 1), for the chosen token and for the best `logprobs` alternatives.
+  sum below is exact and the same in any order; min_p > 0 gives weight 0 to a token
+  whose exp(x - max) (float32, temperature 1: llama.cpp's min-p) is below min_p.
+  top_p < 1 keeps the shortest ranked prefix whose weight reaches ceil(top_p * total),
+  the nucleus (so min-p cuts before top-p; llama.cpp cuts after, which differs only
+  when both are set). The draw is a 64-bit hash of (seed, position of the drawn token)
+  scaled to the nucleus weight, looked up in the nucleus in token-id order.
+- Reported log-probabilities are the log-softmax of the logits at temperature 1 (the
+  model's own, bar penalties), for the chosen token and for the best `logprobs`
+  alternatives.
 
 Because the draw depends only on the seed and the position, a seeded session gives
 the same tokens whatever other sessions share its steps. A session without a seed
@@ -30,6 +39,8 @@ from rocforge_rt.errors import EngineError, EngineErrorCode
 
 WEIGHT_SCALE = np.float32(2.0**40)  # weights are exp(...) in (0, 1] times this, truncated
 MAX_LOGPROBS = 20
+PENALTY_WINDOW = 64  # recent tokens the penalties count (llama.cpp's penalty_last_n default)
+MAX_FREQUENCY_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -43,12 +54,30 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int | None = None  # None: a random seed per turn
     logprobs: int = 0  # how many top alternatives to report with each token
+    min_p: float = 0.0  # 0: no min-p cut
+    repetition_penalty: float = 1.0  # 1: none
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        bound = MAX_FREQUENCY_PENALTY
         checks = (
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                self.repetition_penalty > 0.0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                -bound <= self.frequency_penalty <= bound,
+                f"frequency_penalty must be in [-{bound}, {bound}], got {self.frequency_penalty}",
+            ),
+            (
+                -bound <= self.presence_penalty <= bound,
+                f"presence_penalty must be in [-{bound}, {bound}], got {self.presence_penalty}",
+            ),
             (
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
@@ -66,6 +95,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -82,6 +120,10 @@ ROW_PARAMS_DTYPE = np.dtype(
         ("top_p", "<f4"),
         ("logprobs", "<i4"),
         ("seed", "<u8"),
+        ("min_p", "<f4"),
+        ("repetition_penalty", "<f4"),
+        ("frequency_penalty", "<f4"),
+        ("presence_penalty", "<f4"),
     ]
 )
 
@@ -92,15 +134,20 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
+        p = params
         record = np.array(
-            [(params.temperature, params.top_k, params.top_p, params.logprobs, self.seed)],
+            [(p.temperature, p.top_k, p.top_p, p.logprobs, self.seed, p.min_p,
+              p.repetition_penalty, p.frequency_penalty, p.presence_penalty)],
             dtype=ROW_PARAMS_DTYPE,
-        )
+        )  # fmt: skip
         self.record = record.tobytes()  # this row of a step's RowSampling
 
-    def sample(self, logits: np.ndarray, position: int) -> SampledToken:
-        """The token drawn at context position `position` from one row of logits."""
-        return sample_row(logits, self.params, self.seed, position)
+    def sample(
+        self, logits: np.ndarray, position: int, recent: np.ndarray | None = None
+    ) -> SampledToken:
+        """The token drawn at context position `position` from one row of logits, after
+        the penalties over `recent` (see recent_window)."""
+        return sample_row(logits, self.params, self.seed, position, recent)
 
 
 GREEDY = Sampler(SamplingParams(seed=0))
@@ -108,17 +155,51 @@ GREEDY = Sampler(SamplingParams(seed=0))
 
 @dataclass(frozen=True)
 class RowSampling:
-    """How each logits row of one step picks its token: one ROW_PARAMS_DTYPE record a row."""
+    """How each logits row of one step picks its token: one ROW_PARAMS_DTYPE record a row,
+    and, when a row is penalized, every row's recent tokens (recent_window's layout)."""
 
     params: np.ndarray  # ROW_PARAMS_DTYPE [B]
+    recent: np.ndarray | None = None  # int32 [B, PENALTY_WINDOW]
+
+    def __post_init__(self) -> None:
+        if self.penalized and self.recent is None:
+            raise ValueError("penalized rows need their recent tokens")
 
     @classmethod
     def greedy(cls, rows: int) -> "RowSampling":
         return cls.of([GREEDY] * rows)
 
     @classmethod
-    def of(cls, samplers: Sequence["Sampler"]) -> "RowSampling":
-        return cls(np.frombuffer(b"".join(s.record for s in samplers), dtype=ROW_PARAMS_DTYPE))
+    def of(
+        cls, samplers: Sequence["Sampler"], contexts: Sequence[Sequence[int]] = ()
+    ) -> "RowSampling":
+        """The rows of `samplers`; `contexts` (each row's tokens so far, the row's input
+        token last) are read only when a row is penalized."""
+        params = np.frombuffer(b"".join(s.record for s in samplers), dtype=ROW_PARAMS_DTYPE)
+        recent = None
+        if any(s.params.penalized for s in samplers):
+            recent = np.stack([recent_window(c) for c in contexts])
+        return cls(params, recent)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any row's logits are penalized before it picks."""
+        p = self.params
+        return bool(
+            np.any(
+                (p["repetition_penalty"] != 1)
+                | (p["frequency_penalty"] != 0)
+                | (p["presence_penalty"] != 0)
+            )
+        )
+
+    def advanced(self, tokens: np.ndarray, positions: np.ndarray) -> "RowSampling":
+        """The rows of the next decode step, whose input `tokens` sit at `positions`."""
+        if self.recent is None:
+            return self
+        recent = self.recent.copy()
+        recent[np.arange(len(tokens)), np.asarray(positions) % PENALTY_WINDOW] = tokens
+        return RowSampling(self.params, recent)
 
     @property
     def rows(self) -> int:
@@ -129,15 +210,39 @@ class RowSampling:
         """Whether any row draws at random or reports alternatives (else argmax suffices)."""
         p = self.params
         drawn = (p["temperature"] != 0) & (p["top_k"] != 1)
-        return bool(np.any(drawn) or np.any(p["logprobs"] > 0))
+        return bool(np.any(drawn) or np.any(p["logprobs"] > 0) or self.penalized)
 
-    def row(self, index: int) -> tuple[SamplingParams, int]:
-        """Row `index` as SamplingParams and its seed."""
+    def row(self, index: int) -> tuple[SamplingParams, int, np.ndarray | None]:
+        """Row `index` as SamplingParams, its seed and its recent tokens (None: unpenalized)."""
         r = self.params[index]
         params = SamplingParams(
-            float(r["temperature"]), int(r["top_k"]), float(r["top_p"]), None, int(r["logprobs"])
-        )
-        return params, int(r["seed"])
+            float(r["temperature"]), int(r["top_k"]), float(r["top_p"]), None,
+            int(r["logprobs"]), float(r["min_p"]), float(r["repetition_penalty"]),
+            float(r["frequency_penalty"]), float(r["presence_penalty"]),
+        )  # fmt: skip
+        return params, int(r["seed"]), None if self.recent is None else self.recent[index]
+
+
+def recent_window(context: Sequence[int]) -> np.ndarray:
+    """int32 [PENALTY_WINDOW]: the last PENALTY_WINDOW tokens of `context`, the token at
+    position q at index q % PENALTY_WINDOW (so a decode step writes one entry); -1 where
+    the window reaches before position 0."""
+    window = np.full(PENALTY_WINDOW, -1, dtype=np.int32)
+    first = max(0, len(context) - PENALTY_WINDOW)
+    window[np.arange(first, len(context)) % PENALTY_WINDOW] = context[first:]
+    return window
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
+    """The logits after llama.cpp's penalties over the `recent` tokens (float32)."""
+    x = np.array(logits, dtype=np.float32)
+    ids, counts = np.unique(recent[recent >= 0], return_counts=True)
+    v = x[ids]
+    rep = np.float32(params.repetition_penalty)
+    v = np.where(v <= 0, v * rep, v / rep)
+    per_count = counts.astype(np.float32) * np.float32(params.frequency_penalty)
+    x[ids] = v - (per_count + np.float32(params.presence_penalty))
+    return x
 
 
 def mix64(z: int) -> int:
@@ -168,8 +273,11 @@ def candidate_weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.nd
     order = rank_order(x)
     k = params.top_k if 0 < params.top_k < x.shape[0] else x.shape[0]
     candidates = order[:k]
+    gap = x[candidates] - x.max()
     with np.errstate(under="ignore", over="ignore"):  # a tiny temperature: -inf, weight 0
-        w = np.exp((x[candidates] - x.max()) / np.float32(params.temperature))
+        w = np.exp(gap / np.float32(params.temperature))
+        if params.min_p > 0:
+            w = np.where(np.exp(gap) >= np.float32(params.min_p), w, np.float32(0))
     return candidates, (w.astype(np.float32) * WEIGHT_SCALE).astype(np.uint64)
 
 
@@ -194,10 +302,19 @@ def draw(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -
 
 
 def sample_row(
-    logits: np.ndarray, params: SamplingParams, seed: int, position: int
+    logits: np.ndarray,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    recent: np.ndarray | None = None,
 ) -> SampledToken:
-    """The token for one row of logits, its log-probability and the best alternatives."""
+    """The token for one row of logits, its log-probability and the best alternatives;
+    `recent` (recent_window's layout) is needed when `params` are penalized."""
     logits = np.asarray(logits, dtype=np.float32)
+    if params.penalized:
+        if recent is None:
+            raise ValueError("penalized sampling needs the recent tokens")
+        logits = penalize(logits, params, recent)
     token = int(np.argmax(logits)) if params.greedy else draw(logits, params, seed, position)
     logprobs = log_softmax(logits)
     best = rank_order(logits)[: params.logprobs] if params.logprobs else ()
