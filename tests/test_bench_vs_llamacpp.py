@@ -241,8 +241,9 @@ def test_decode_bench_refuses_a_matmul_lever_that_is_not_a_number_or_not_an_attr
     result = run_script("bench_decode.py", tiny_model, "--backend", "cpu",
                         "--matmul-lever", "gemv_max_blocks_per_sm=many")  # fmt: skip
     assert result.returncode == 2 and "ATTR=NUMBER" in result.stderr
+    lever = "gemv_max_blocks_per_sm=2"
     result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
-                        "--n-prompt", "8", "--matmul-lever", "gemv_max_blocks_per_sm=2")  # fmt: skip
+                        "--n-prompt", "8", "--matmul-lever", lever)  # fmt: skip
     assert result.returncode == 1
     assert "no numeric Matmul attribute 'gemv_max_blocks_per_sm'" in result.stderr
 
