@@ -21,7 +21,8 @@
 //   RF_ATTN_TILE, RF_ATTN_WARPS, RF_ATTN_PREFILL_ROWS, RF_ATTN_MAX_GROUP, RF_ATTN_MAX_D
 //                          attention's key tile, block, work split and limits (attention.hip)
 //   RF_ARGMAX_THREADS, RF_SAMPLE_THREADS, RF_SAMPLE_SLICE, RF_SAMPLE_CANDIDATES,
-//   RF_SAMPLE_MAX_TOP, RF_SAMPLE_WEIGHT_SCALE         sampling (sampling.hip)
+//   RF_SAMPLE_MAX_TOP, RF_SAMPLE_WEIGHT_SCALE, RF_SAMPLE_PENALTY_WINDOW   sampling
+//                          (sampling.hip)
 #ifndef RF_CONSTANTS_H
 #define RF_CONSTANTS_H
 
@@ -39,7 +40,7 @@
     !defined(RF_ATTN_MAX_GROUP) || !defined(RF_ATTN_MAX_D) || !defined(RF_ARGMAX_THREADS) ||  \
     !defined(RF_SAMPLE_THREADS) || !defined(RF_SAMPLE_SLICE) ||                             \
     !defined(RF_SAMPLE_CANDIDATES) || !defined(RF_SAMPLE_MAX_TOP) ||                        \
-    !defined(RF_SAMPLE_WEIGHT_SCALE)
+    !defined(RF_SAMPLE_WEIGHT_SCALE) || !defined(RF_SAMPLE_PENALTY_WINDOW)
 #error "kernel constants missing: compile through KernelLibrary (kernel_constants.py)"
 #endif
 

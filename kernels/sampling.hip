@@ -1,7 +1,8 @@
 // Sampling on the device, advancing the step state so that steady decode needs no
-// host-to-device copy. Three kernels: rf_argmax_advance (below) serves greedy rows alone;
+// host-to-device copy. Four kernels: rf_argmax_advance (below) serves greedy rows alone;
 // rf_sample_candidates and rf_sample_advance (further below) follow it when a row draws
-// at random or reports alternatives.
+// at random, reports alternatives or is penalized; rf_sample_penalize (at the end) comes
+// first when a row is penalized.
 //
 // rf_argmax_advance: the argmax of every logits row and its log-softmax statistics.
 //   logits     fp32 [n_rows, n_vocab]
@@ -22,9 +23,10 @@
 #include "rf_constants.h"
 
 // From rf_constants.h: RF_ARGMAX_THREADS; RF_SAMPLE_THREADS, RF_SAMPLE_SLICE,
-// RF_SAMPLE_CANDIDATES, RF_SAMPLE_MAX_TOP (alternatives a row may report) and
-// RF_SAMPLE_WEIGHT_SCALE (the integer weights' scale, 2^40), the last two the sampling
-// rules' own (rocforge_rt/step/sampling.py MAX_LOGPROBS, WEIGHT_SCALE).
+// RF_SAMPLE_CANDIDATES, RF_SAMPLE_MAX_TOP (alternatives a row may report),
+// RF_SAMPLE_WEIGHT_SCALE (the integer weights' scale, 2^40) and RF_SAMPLE_PENALTY_WINDOW
+// (recent tokens the penalties count), the last three the sampling rules' own
+// (rocforge_rt/step/sampling.py MAX_LOGPROBS, WEIGHT_SCALE, PENALTY_WINDOW).
 #define RF_ARGMAX_WARPS (RF_ARGMAX_THREADS / RF_WARP_SIZE)
 
 struct rf_argmax_part {
@@ -148,7 +150,8 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 //   (rocforge_rt/step/sampling.py states the rules; this is the same computation):
 //   greedy rows keep the argmax; other rows rank tokens by (logit desc, id asc), keep the
 //   top_k best, weigh each W = floor(expf((x - max) / T) * RF_SAMPLE_WEIGHT_SCALE) as an
-//   integer, keep the shortest ranked prefix reaching ceil(top_p * total) and draw from it
+//   integer (0 when expf(x - max) < min_p), keep the shortest ranked prefix reaching
+//   ceil(top_p * total) and draw from it
 //   in id order with 64 hash bits of (seed, position). Rows asking for log-probabilities
 //   get their best `logprobs` alternatives, best first. Then it advances the step state
 //   as rf_argmax_advance would have.
@@ -177,6 +180,10 @@ struct rf_sample_params {  // rocforge_rt/step/sampling.py ROW_PARAMS_DTYPE
     float top_p;           // 1: no cut
     int logprobs;          // alternatives to report, <= RF_SAMPLE_MAX_TOP
     uint64_t seed;
+    float min_p;  // 0: no cut
+    float repetition_penalty;
+    float frequency_penalty;
+    float presence_penalty;
 };
 
 struct rf_sample_entry {
@@ -235,8 +242,13 @@ RF_DEVICE_INLINE int rf_rank_key_id(uint64_t key) {
     return (int)(0xFFFFFFFFu - (uint32_t)key);
 }
 
-RF_DEVICE_INLINE uint64_t rf_sample_weight(float v, float row_max, float temperature) {
-    return (uint64_t)(expf((v - row_max) / temperature) * RF_SAMPLE_WEIGHT_SCALE);
+RF_DEVICE_INLINE uint64_t rf_sample_weight(float v, float row_max, float temperature,
+                                           float min_p) {
+    const float gap = v - row_max;
+    if (min_p > 0.0f && expf(gap) < min_p) {
+        return 0;
+    }
+    return (uint64_t)(expf(gap / temperature) * RF_SAMPLE_WEIGHT_SCALE);
 }
 
 // ceil(top_p * total), at most total (double arithmetic, as sampling.py's nucleus()).
@@ -329,7 +341,7 @@ void rf_sample_candidates(const float* RF_RESTRICT logits, int n_vocab,
         if (id < n_vocab) {
             const float v = x[id];
             key = rf_rank_key(v, id);
-            mine += greedy ? 0 : rf_sample_weight(v, row_max, p.temperature);
+            mine += greedy ? 0 : rf_sample_weight(v, row_max, p.temperature, p.min_p);
         }
         s_keys[i] = key;
     }
@@ -345,13 +357,18 @@ void rf_sample_candidates(const float* RF_RESTRICT logits, int n_vocab,
     }
 }
 
-// What the general path looks at: the row, its statistics and the weights' temperature.
+// What the general path looks at: the row, its statistics and the weights' parameters.
 struct rf_sample_row {
     const float* x;
     int n_vocab;
     float row_max;
     float temperature;
+    float min_p;
 };
+
+RF_DEVICE_INLINE uint64_t rf_row_weight(const rf_sample_row& r, float v) {
+    return rf_sample_weight(v, r.row_max, r.temperature, r.min_p);
+}
 
 // Order the first n list entries by key, best first, into s.by_rank (distinct keys).
 RF_DEVICE_INLINE void rf_rank_list(rf_sample_shared& s, int n) {
@@ -380,7 +397,7 @@ RF_DEVICE_INLINE int rf_gather(const rf_sample_row& r, uint64_t low, uint64_t hi
         if (key >= low && key <= high) {
             const int slot = atomicAdd(&s.n_list, 1);
             s.u.list[slot].key = key;
-            s.u.list[slot].weight = weighted ? rf_sample_weight(v, r.row_max, r.temperature) : 1;
+            s.u.list[slot].weight = weighted ? rf_row_weight(r, v) : 1;
             s.u.list[slot].id = i;
         }
     }
@@ -393,7 +410,7 @@ RF_DEVICE_INLINE void rf_list_best(const rf_sample_row& r, int n, rf_sample_shar
     for (int e = threadIdx.x; e < n; e += RF_SAMPLE_THREADS) {
         const int id = rf_rank_key_id(s.best[e]);
         s.u.list[e].key = s.best[e];
-        s.u.list[e].weight = rf_sample_weight(r.x[id], r.row_max, r.temperature);
+        s.u.list[e].weight = rf_row_weight(r, r.x[id]);
         s.u.list[e].id = id;
     }
     __syncthreads();
@@ -445,7 +462,7 @@ RF_DEVICE_INLINE uint64_t rf_select(const rf_sample_row& r, bool weighted, uint6
                 const uint64_t key = rf_rank_key(v, i);
                 if (key >= floor_key && (prev_shift == 64 || (key >> prev_shift) == prefix)) {
                     bin = (int)((key >> shift) & (uint64_t)(n_bins - 1));
-                    amount = weighted ? rf_sample_weight(v, r.row_max, r.temperature) : 1;
+                    amount = weighted ? rf_row_weight(r, v) : 1;
                 }
             }
             rf_hist_add(s, bin, amount);  // the whole warp takes part
@@ -508,7 +525,7 @@ RF_DEVICE_INLINE void rf_draw_in_row(const rf_sample_row& r, uint64_t threshold,
     for (int i = first + lane; i < last; i += RF_WARP_SIZE) {
         const float v = r.x[i];
         if (rf_rank_key(v, i) >= threshold) {
-            mine += rf_sample_weight(v, r.row_max, r.temperature);
+            mine += rf_row_weight(r, v);
         }
     }
 #pragma unroll
@@ -531,14 +548,14 @@ RF_DEVICE_INLINE void rf_draw_in_row(const rf_sample_row& r, uint64_t threshold,
         uint64_t part = 0;
         for (int i = lo; i < hi; ++i) {
             if (rf_rank_key(r.x[i], i) >= threshold) {
-                part += rf_sample_weight(r.x[i], r.row_max, r.temperature);
+                part += rf_row_weight(r, r.x[i]);
             }
         }
         uint64_t reached = before + rf_warp_scan_u64(part) - part;
         if (reached <= target && target < reached + part) {
             for (int i = lo; i < hi; ++i) {
                 if (rf_rank_key(r.x[i], i) >= threshold) {
-                    reached += rf_sample_weight(r.x[i], r.row_max, r.temperature);
+                    reached += rf_row_weight(r, r.x[i]);
                     if (reached > target) {
                         s.token = i;
                         break;
@@ -572,7 +589,7 @@ RF_DEVICE_INLINE void rf_draw_in_slices(const rf_sample_row& r, const uint64_t* 
 #pragma unroll
     for (int e = 0; e < EACH; ++e) {
         const int i = first + e;
-        w[e] = i < r.n_vocab ? rf_sample_weight(r.x[i], r.row_max, r.temperature) : 0;
+        w[e] = i < r.n_vocab ? rf_row_weight(r, r.x[i]) : 0;
         mine += w[e];
     }
     uint64_t reached = s.above + rf_block_scan_u64(mine, unused, s.warp_sums);
@@ -654,7 +671,7 @@ RF_DEVICE_INLINE void rf_draw_general(const rf_sample_row& r, const rf_sample_pa
         uint64_t mine = 0, total = 0;
         for (int i = threadIdx.x; i < r.n_vocab; i += RF_SAMPLE_THREADS) {
             if (rf_rank_key(r.x[i], i) >= floor_key) {
-                mine += rf_sample_weight(r.x[i], r.row_max, r.temperature);
+                mine += rf_row_weight(r, r.x[i]);
             }
         }
         rf_block_scan_u64(mine, total, s.warp_sums);
@@ -680,6 +697,7 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
     r.n_vocab = n_vocab;
     r.row_max = stats[row].max;
     r.temperature = p.temperature;
+    r.min_p = p.min_p;
     const float log_sum = stats[row].log_sum;
     const bool greedy = rf_sample_greedy(p);
     if (tid == 0) {
@@ -756,4 +774,55 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
         tokens[row] = token;
         positions[row] += 1;
     }
+}
+
+
+// ---------------------------------------------------------------------------------------
+// rf_sample_penalize: llama.cpp's penalties on each logits row, in place (sampling.py
+//   penalize): a token seen c times among the row's recent tokens has its logit x
+//   divided by repetition_penalty (multiplied when x <= 0), then loses
+//   c * frequency_penalty + presence_penalty, each operation rounded as written.
+//   recent     int32 [n_rows, RF_SAMPLE_PENALTY_WINDOW]: the token at context position q
+//              at entry q % RF_SAMPLE_PENALTY_WINDOW, -1 where none (sampling.py
+//              recent_window). The row's input token (tokens[first_row + r], at
+//              positions[first_row + r]) is written there first, so that decode steps the
+//              device advances keep the window without a copy.
+//   Rows without penalties only record their input token.
+//   Launch: grid (n_rows), block RF_SAMPLE_PENALTY_WINDOW.
+RF_KERNEL_BOUNDS(RF_SAMPLE_PENALTY_WINDOW)
+void rf_sample_penalize(float* RF_RESTRICT logits, int n_vocab,
+                        const rf_sample_params* RF_RESTRICT params, int32_t* RF_RESTRICT recent,
+                        const int32_t* RF_RESTRICT tokens, const int32_t* RF_RESTRICT positions,
+                        int first_row) {
+    __shared__ int32_t s_recent[RF_SAMPLE_PENALTY_WINDOW];
+    rf_pdl_begin();
+    const int row = blockIdx.x, i = threadIdx.x;
+    int32_t* window = recent + (int64_t)row * RF_SAMPLE_PENALTY_WINDOW;
+    int token = window[i];
+    if (i == positions[first_row + row] % RF_SAMPLE_PENALTY_WINDOW) {
+        token = tokens[first_row + row];
+        window[i] = token;
+    }
+    s_recent[i] = token;
+    __syncthreads();
+    const rf_sample_params p = params[row];
+    const bool penalized = p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f ||
+                           p.presence_penalty != 0.0f;
+    if (!penalized || token < 0 || token >= n_vocab) {
+        return;
+    }
+    int count = 0;
+    bool first = true;  // this entry is the token's first in the window: it applies them
+    for (int j = 0; j < RF_SAMPLE_PENALTY_WINDOW; ++j) {
+        const bool same = s_recent[j] == token;
+        count += same;
+        first = first && !(same && j < i);
+    }
+    if (!first) {
+        return;
+    }
+    float* x = logits + (int64_t)row * n_vocab + token;
+    float v = *x;
+    v = v <= 0.0f ? __fmul_rn(v, p.repetition_penalty) : __fdiv_rn(v, p.repetition_penalty);
+    *x = __fsub_rn(v, __fadd_rn(__fmul_rn((float)count, p.frequency_penalty), p.presence_penalty));
 }

@@ -114,6 +114,30 @@ def test_every_session_gets_the_tokens_it_gets_without_pipelining(pair):
     assert taken[0] == 6  # of 13 steps: the decode steps after a decode-only step
 
 
+PENALIZED = SamplingParams(
+    temperature=0.9, top_k=20, seed=3, min_p=0.05,
+    repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+)  # fmt: skip
+
+
+def test_penalized_sessions_get_the_tokens_they_get_without_pipelining(pair):
+    """The recent tokens the penalties count advance with each step issued ahead (on a GPU,
+    in the device's copy) as they do step by step."""
+
+    def requests() -> list[Request]:
+        return [
+            Request([5, 17, 42, 99, 3], 12, sampling=PENALIZED),
+            Request([11, 64, 5, 5, 5], 10, sampling=SamplingParams(repetition_penalty=1.5)),
+            Request(list(range(30, 45)), 8, arrives=2),
+        ]
+
+    pipelined, reference = pair
+    expected = serve(reference, requests())
+    greedy_unpenalized = [Request([11, 64, 5, 5, 5], 10)]
+    assert serve(reference, greedy_unpenalized)[0] != expected[1]  # the penalty acts
+    assert serve(pipelined, requests()) == expected
+
+
 def test_a_session_ending_on_an_end_token_leaves_the_others_their_tokens(pair):
     """The step issued ahead still holds the ended session's row: it is dropped, the other
     rows are taken."""

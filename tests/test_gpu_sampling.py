@@ -15,7 +15,13 @@ from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.batch import StepBatch
-from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams, sample_row
+from rocforge_rt.step.sampling import (
+    RowSampling,
+    Sampler,
+    SamplingParams,
+    recent_window,
+    sample_row,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,6 +75,46 @@ def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
             np.testing.assert_allclose([v for _, v in out.top[row]],
                                        [v for _, v in want.top], atol=1e-4)  # fmt: skip
     assert mismatches == 0
+
+
+PENALIZED = [
+    SamplingParams(repetition_penalty=1.3),  # greedy
+    SamplingParams(temperature=0.8, min_p=0.05, logprobs=3),
+    SamplingParams(temperature=1.2, top_p=0.9, min_p=0.1, frequency_penalty=0.7),
+    SamplingParams(temperature=0.7, top_k=40, presence_penalty=-1.5, repetition_penalty=0.8),
+    SamplingParams(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, logprobs=5),
+    SamplingParams(temperature=1.0, min_p=0.5),
+    SamplingParams(temperature=0.5, top_k=1000, repetition_penalty=1.1, min_p=0.02),
+    SamplingParams(temperature=1.0),  # unpenalized beside penalized rows
+]
+
+
+@pytest.mark.parametrize("n_vocab", [1000, 49152, 128256])
+def test_device_penalties_and_min_p_pick_what_the_reference_picks(n_vocab):
+    """Each row's recent tokens (uploaded, then the step's input token recorded by the
+    penalty kernel) hold the row's best tokens several times, so the penalties move the
+    pick; the device's tokens, log-probabilities and alternatives are the reference's."""
+    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=256,
+                         max_tokens=ROWS, mode="deferred")  # fmt: skip
+    rng = np.random.default_rng(n_vocab)
+    logits = sampler_logits(rng, n_vocab, "peaked")
+    for trial in range(8):
+        contexts = []
+        for row in range(ROWS):
+            best = np.argsort(-logits[row])[:4]
+            length = int(rng.integers(1, 150))
+            contexts.append(rng.choice(np.concatenate([best, best, [0, 1, 2]]), length).tolist())
+        samplers = [Sampler(p) for p in PENALIZED]
+        positions = [len(c) - 1 for c in contexts]
+        batch = StepBatch.decode([c[-1] for c in contexts], positions, list(range(ROWS)),
+                                 RowSampling.of(samplers, contexts))  # fmt: skip
+        gpu.driver.copy_htod(gpu.workspace.logits, logits)  # the penalties change it in place
+        out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
+        for row, sampler in enumerate(samplers):
+            want = sampler.sample(logits[row], positions[row] + 1, recent_window(contexts[row]))
+            assert int(out.tokens[row]) == want.token, (trial, row)
+            assert out.logprobs[row] == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in out.top[row]] == [t for t, _ in want.top], (trial, row)
 
 
 def test_the_device_sampler_advances_the_step_state():

@@ -1,5 +1,6 @@
-"""Sampling: greedy is argmax, seeds reproduce, top-k/top-p cut the candidates, draws
-follow the distribution, and the rules are the ones the device kernel implements."""
+"""Sampling: greedy is argmax, seeds reproduce, top-k/min-p/top-p cut the candidates, draws
+follow the distribution, penalties are llama.cpp's over the recent tokens, and the rules
+are the ones the device kernel implements."""
 
 import math
 
@@ -9,6 +10,7 @@ import pytest
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.step.sampling import (
     GREEDY,
+    PENALTY_WINDOW,
     RowSampling,
     Sampler,
     SamplingParams,
@@ -16,7 +18,9 @@ from rocforge_rt.step.sampling import (
     draw_bits,
     mix64,
     nucleus,
+    penalize,
     rank_order,
+    recent_window,
     sample_row,
 )
 
@@ -135,9 +139,66 @@ def test_sample_row_is_what_a_sampler_draws():
         {"logprobs": 21},
         {"seed": -1},
         {"seed": 1 << 64},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.5},
     ],
 )
 def test_invalid_parameters_are_rejected_with_their_name(kwargs):
     with pytest.raises(EngineError, match=next(iter(kwargs))) as info:
         SamplingParams(**kwargs)
     assert info.value.code is EngineErrorCode.INVALID_ARGUMENT
+
+
+# --- penalties and min-p ----------------------------------------------------------------
+def test_the_recent_window_holds_position_q_at_q_mod_the_window_and_nothing_before_0():
+    window = recent_window([7, 8, 9])
+    assert window[:3].tolist() == [7, 8, 9] and set(window[3:].tolist()) == {-1}
+    long = list(range(100, 100 + PENALTY_WINDOW + 5))  # positions 0 .. W + 4
+    window = recent_window(long)
+    assert sorted(window.tolist()) == long[5:]
+    assert window[(PENALTY_WINDOW + 4) % PENALTY_WINDOW] == long[-1]
+
+
+def test_a_decode_step_advances_the_window_by_its_input_token():
+    context = list(range(1, 80))
+    penalized = Sampler(SamplingParams(repetition_penalty=1.1))
+    rows = RowSampling.of([penalized, GREEDY], [context, [4, 5]])
+    after = rows.advanced(np.array([500, 6], dtype=np.int32), np.array([79, 2]))
+    assert after.recent[0].tolist() == recent_window([*context, 500]).tolist()
+    assert after.recent[1].tolist() == recent_window([4, 5, 6]).tolist()
+
+
+def test_penalties_follow_llamacpp_for_each_token_seen_in_the_window():
+    logits = np.array([2.0, -1.0, 0.5, 3.0, 1.0], dtype=np.float32)
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    recent = recent_window([0, 1, 0, 0, 2])  # token 0 three times, 1 and 2 once; 3, 4 never
+    got = penalize(logits, params, recent)
+    # x / 2 (x * 2 when x <= 0), then - (count * 0.25 + 0.5)
+    assert got.tolist() == [1.0 - 1.25, -2.0 - 0.75, 0.25 - 0.75, 3.0, 1.0]
+
+
+def test_a_repetition_penalty_moves_greedy_off_a_repeated_token():
+    params = SamplingParams(repetition_penalty=1.5)
+    recent = recent_window([1, 1])  # token 1 is LOGITS' argmax (3.0 -> 2.0 < 2.5)
+    assert sample_row(LOGITS, params, 0, 3, recent).token == 2
+    assert sample_row(LOGITS, SamplingParams(), 0, 3, recent).token == 1
+
+
+def test_penalized_rows_need_their_recent_tokens_and_take_the_sampler():
+    with pytest.raises(ValueError, match="recent"):
+        sample_row(LOGITS, SamplingParams(presence_penalty=1.0), 0, 3)
+    rows = RowSampling.of([Sampler(SamplingParams(frequency_penalty=0.5))], [[3, 4]])
+    assert rows.penalized and rows.needs_sampler
+    assert RowSampling.of([GREEDY], [[3, 4]]).recent is None  # nobody penalized: not built
+
+
+def test_min_p_gives_weight_zero_to_tokens_below_min_p_times_the_best_at_temperature_1():
+    params = SamplingParams(temperature=2.0, min_p=0.3)
+    candidates, weights = candidate_weights(LOGITS, params)
+    kept = {int(t) for t, w in zip(candidates, weights, strict=True) if w > 0}
+    best = LOGITS.max()
+    assert kept == {t for t in range(5) if math.exp(LOGITS[t] - best) >= 0.3} == {1, 2}
+    assert set(draws(params)) == {1, 2}

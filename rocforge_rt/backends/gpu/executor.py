@@ -41,6 +41,12 @@ STEP_MODES = ("per-kernel-sync", "deferred", "graph")
 GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
 
 
+def graph_key(batch: StepBatch) -> tuple[int, bool, bool]:
+    """What a decode graph's launches depend on: rows, whether they sample beyond the
+    argmax, whether any is penalized."""
+    return batch.n_tokens, batch.sampling.needs_sampler, batch.sampling.penalized
+
+
 def check_mode(mode: str) -> None:
     if mode not in STEP_MODES:
         raise BackendError(f"unknown step mode {mode!r}; choose one of {', '.join(STEP_MODES)}")
@@ -89,8 +95,8 @@ class StepExecutor:
         self.lookahead = lookahead  # pipelined decode (the module docstring)
         self.launch_tracker = launch_tracker
         self.kernel_timer = kernel_timer
-        # Decode graphs by (batch size, whether a row samples beyond the argmax).
-        self._graphs: dict[tuple[int, bool], StepGraph] = {}
+        # Decode graphs by graph_key.
+        self._graphs: dict[tuple[int, bool, bool], StepGraph] = {}
         self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
         self._ahead: IssuedStep | None = None  # a decode step issued ahead, not yet read
         self._readback = 0  # the readback set the next step issued uses
@@ -140,15 +146,15 @@ class StepExecutor:
     def _state_bytes(
         batch: StepBatch, tokens: np.ndarray | None = None, advance: int = 0
     ) -> tuple[bytes, ...]:
-        """The step-state bytes of `batch` (tokens, positions, slots, sampling rows);
-        with `tokens` and `advance`, those the next decode step of the same rows needs."""
-        values = (
-            batch.tokens if tokens is None else tokens,
-            batch.positions + advance,
-            batch.slots,
-        )
+        """The step-state bytes of `batch` (tokens, positions, slots, sampling rows, recent
+        tokens); with `tokens` and `advance`, those the next decode step of the same rows
+        needs (the penalty kernel records each row's input token in its recent ones)."""
+        positions = batch.positions + advance
+        sampling = batch.sampling if tokens is None else batch.sampling.advanced(tokens, positions)
+        values = (batch.tokens if tokens is None else tokens, positions, batch.slots)
+        recent = b"" if sampling.recent is None else sampling.recent.astype(np.int32).tobytes()
         return (*(np.asarray(v, dtype=np.int32).tobytes() for v in values),
-                batch.sampling.params.tobytes())  # fmt: skip
+                sampling.params.tobytes(), recent)  # fmt: skip
 
     # --- steps ---------------------------------------------------------------------------
     def run_step(
@@ -237,7 +243,7 @@ class StepExecutor:
         if not step.batch.next_decode_fits(self.n_ctx):
             return
         batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
-        self._graphs[(batch.n_tokens, batch.sampling.needs_sampler)].replay()
+        self._graphs[graph_key(batch)].replay()
         self._ahead = self._queue_readback(batch, False)
 
     def _read_back(self, step: IssuedStep, decode_shape: bool) -> StepOutput:
@@ -283,7 +289,7 @@ class StepExecutor:
 
         Returns whether the kernel timer timed this replay (read it after the sync).
         """
-        key = (batch.n_tokens, batch.sampling.needs_sampler)
+        key = graph_key(batch)
         graph = self._graphs.get(key)
         if graph is None:
             graph = StepGraph(self.driver, self.stream)

@@ -11,7 +11,7 @@ Numbers used by one side only stay with it: a kernel's private tuning in its
 source, a launch heuristic in its launch module.
 """
 
-from rocforge_rt.step.sampling import MAX_LOGPROBS, WEIGHT_SCALE
+from rocforge_rt.step.sampling import MAX_LOGPROBS, PENALTY_WINDOW, WEIGHT_SCALE
 
 # Quantized blocks: GGUF Q4_0 (f16 d + 16 bytes of nibbles) and Q8_0 (f16 d + 32 int8).
 QK = 32  # elements per quant block
@@ -50,6 +50,7 @@ SAMPLE_SLICE = 4096  # vocabulary entries per candidates block
 SAMPLE_CANDIDATES = 64  # best rank keys a slice keeps
 SAMPLE_MAX_SLICES = SAMPLE_SLICE // SAMPLE_CANDIDATES  # the merged candidates fit one slice
 SAMPLE_MAX_TOP = MAX_LOGPROBS  # alternatives a row may report
+SAMPLE_PENALTY_WINDOW = PENALTY_WINDOW  # recent tokens a row's penalties count (its block)
 
 # Sizes of the kernels' own records in device buffers (tests/test_kernel_abi.py parses
 # the structs); the host sizes buffers from them but passes none to a compile.
@@ -87,5 +88,6 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_SAMPLE_CANDIDATES": SAMPLE_CANDIDATES,
     "RF_SAMPLE_MAX_TOP": SAMPLE_MAX_TOP,
     "RF_SAMPLE_WEIGHT_SCALE": f"{float(WEIGHT_SCALE)!r}f",  # a float32: exact as a C float
+    "RF_SAMPLE_PENALTY_WINDOW": SAMPLE_PENALTY_WINDOW,
 }
 """What every kernel compile gets as -D defines (with RF_WARP_SIZE from the target)."""

@@ -1,12 +1,17 @@
 """Each logits row's token on the device (kernels/sampling.hip), advancing the step state.
 
-The argmax kernel serves greedy batches alone; when a row draws at random or
-reports alternatives (`RowSampling.needs_sampler`), the sampler's two kernels follow
-it: per-slice candidates (when the vocabulary has at most SAMPLE_MAX_SLICES slices),
-then the draw. The rules are rocforge_rt/step/sampling.py's.
+The argmax kernel serves greedy batches alone; when a row draws at random, reports
+alternatives or is penalized (`RowSampling.needs_sampler`), the sampler's two kernels
+follow it: per-slice candidates (when the vocabulary has at most SAMPLE_MAX_SLICES
+slices), then the draw. When a row is penalized, the penalty kernel comes first,
+changing the logits in place. The rules are rocforge_rt/step/sampling.py's.
 """
 
-from rocforge_rt.backends.gpu.kernel_constants import ARGMAX_THREADS, SAMPLE_THREADS
+from rocforge_rt.backends.gpu.kernel_constants import (
+    ARGMAX_THREADS,
+    SAMPLE_PENALTY_WINDOW,
+    SAMPLE_THREADS,
+)
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.workspace import Activation, Workspace
 from rocforge_rt.step.sampling import RowSampling
@@ -28,6 +33,22 @@ class Sampling:
             return
         ws = self.ws
         drawn = sampling.needs_sampler
+        if sampling.penalized:
+            self._launch(
+                ("penalize", logits.rows),
+                "rf_sample_penalize",
+                (logits.rows, 1, 1),
+                (SAMPLE_PENALTY_WINDOW, 1, 1),
+                (
+                    logits.ptr,
+                    logits.width,
+                    ws.step_sampling.ptr,
+                    ws.step_recent.ptr,
+                    ws.step_tokens.ptr,
+                    ws.step_positions.ptr,
+                    first_row,
+                ),
+            )
         self._launch(
             ("argmax", logits.rows),
             "rf_argmax_advance",

@@ -29,7 +29,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
 from rocforge_rt.backends.gpu.vendor_blas import WORKSPACE_BYTES as VENDOR_WORKSPACE_BYTES
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.rope import rope_tables
-from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE
+from rocforge_rt.step.sampling import PENALTY_WINDOW, ROW_PARAMS_DTYPE
 
 ARGMAX_SLICE = 2048  # vocabulary entries per argmax block (the kernel takes any slice count)
 
@@ -93,13 +93,15 @@ class Workspace:
         cos, sin = rope_tables(hp, n_ctx)
         self.rope_cos, self.rope_sin = self.upload(cos), self.upload(sin)
         # Step state (read by kernels through pointers) and its pinned staging areas:
-        # tokens, positions, KV slots, and each logits row's sampling parameters.
+        # tokens, positions, KV slots, each logits row's sampling parameters and, when a
+        # row is penalized, every row's recent tokens (step/sampling.py recent_window).
         self.step_tokens = self.zeros(max_tokens * 4)
         self.step_positions = self.zeros(max_tokens * 4)
         self.step_slots = self.zeros(max_tokens * 4)
         self.step_sampling = self.zeros(max_tokens * ROW_PARAMS_DTYPE.itemsize)
+        self.step_recent = self.zeros(max_tokens * PENALTY_WINDOW * 4)
         self.step_state = (self.step_tokens, self.step_positions, self.step_slots,
-                           self.step_sampling)  # fmt: skip
+                           self.step_sampling, self.step_recent)  # fmt: skip
         self.staging = [driver.alloc_pinned(buf.nbytes) for buf in self.step_state]
         # Logits rows a step may ask for (one per session; a teacher-forced chunk's):
         self.max_logit_rows = rows = max_logit_rows
