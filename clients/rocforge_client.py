@@ -399,7 +399,9 @@ class Client:
     ) -> TokenReply:
         """Open a session with a prompt; the reply holds its id and first token.
 
-        `turn` takes max_tokens, temperature, top_k, top_p, seed, logprobs and stop.
+        `turn` takes max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+        frequency_penalty, presence_penalty, seed, logprobs and stop (the protocol's turn
+        fields; README.md, "Protocol"; the sampling rules: rocforge_rt/step/sampling.py).
         """
         fields = _turn_fields(prompt, tokens, messages, deadline, turn)
         return self._remember(TokenReply.from_reply(self.call("open", timeout=timeout, **fields)))
@@ -415,7 +417,8 @@ class Client:
         token: str | None = None,
         **turn: Any,
     ) -> TokenReply:
-        """Another turn (text or ids) into a session; the reply holds its first token."""
+        """Another turn (text or ids) into a session; the reply holds its first token.
+        `turn` takes what `open`'s does."""
         fields = _turn_fields(prompt, tokens, None, deadline, turn)
         token = self._token_for(session, token)
         return TokenReply.from_reply(
@@ -452,7 +455,7 @@ class Client:
     ) -> Iterator[TokenReply]:
         """Stream a generation: of a new prompt (in a session of its own, closed at the end),
         or the rest of an open session's turn. The last reply has `done` True. Leaving the
-        loop early aborts the request."""
+        loop early aborts the request. A new prompt's `turn` takes what `open`'s does."""
         if session is not None:
             token = self._token_for(session, token)
             fields: dict[str, Any] = {"session": session, "deadline_ms": _ms(deadline)}

@@ -14,6 +14,7 @@ from rocforge_rt.server.cli_commands import (
     THREADS_HELP,
     add_generation_options,
     add_server_commands,
+    sampling_options,
     thread_count,
 )
 from rocforge_rt.server.http.command import add_http_command
@@ -42,6 +43,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rocforge_rt.model.gguf_file import load_model_file
     from rocforge_rt.step.sampling import SamplingParams
 
+    sampling = SamplingParams(**sampling_options(args))  # a bad value: before the model loads
     model_path = Path(args.model) if args.model else ensure_default_model()
     model = load_model_file(model_path)
     if model.metadata.get("tokenizer.ggml.model") == "none":
@@ -62,9 +64,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.encode_chat([*messages, {"role": "user", "content": args.prompt}])
     else:
         prompt = engine.tokenizer.encode(args.prompt)
-    sampling = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
     generation = Generation(
         engine, prompt, sampling=sampling, stop=args.stop, max_tokens=args.max_tokens
     )

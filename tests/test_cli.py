@@ -210,3 +210,22 @@ def test_threads_reach_the_cpu_backend_from_generate_serve_and_engine_load(
         main(["generate", "--model", str(default_model), "--backend", "cpu", "--prompt", "x",
               "--threads", "1"])  # fmt: skip
     assert loaded.value.args[0]["threads"] == 1
+
+
+def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_default(capsys):
+    from rocforge_rt.cli import build_parser, main
+    from rocforge_rt.server.cli_commands import sampling_options
+    from rocforge_rt.step.sampling import SamplingParams
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["client", "generate", "--prompt", "x"]):
+        assert SamplingParams(**sampling_options(parser.parse_args(command))) == SamplingParams()
+        flags = ["--min-p", "0.05", "--repetition-penalty", "1.3", "--frequency-penalty", "-2",
+                 "--presence-penalty", "0.5"]  # fmt: skip
+        args = parser.parse_args([*command, *flags])
+        assert SamplingParams(**sampling_options(args)) == SamplingParams(
+            min_p=0.05, repetition_penalty=1.3, frequency_penalty=-2.0, presence_penalty=0.5
+        )
+    # a bad value is refused before the model loads (this one does not exist)
+    assert main(["generate", "--model", "/nonexistent.gguf", "--prompt", "x", "--min-p", "2"]) == 2
+    assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err

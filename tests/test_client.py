@@ -171,6 +171,27 @@ def test_client_generate_streams_text_and_reports_latency(daemon: Daemon, capsys
     assert out.strip() and "TTFT" in err and "finish_reason=length" in err
 
 
+def test_the_sampling_flags_reach_the_engine_alike_through_the_daemon_and_in_process(
+    daemon: Daemon, default_model: Path, capsys
+) -> None:
+    """`client generate` and `generate` send min-p and the penalties with the rest: a seeded
+    generation with them is the same text either way, and not the text without them."""
+    flags = ["--prompt", "The capital of France is", "--temperature", "0.9", "--seed", "1234",
+             "--max-tokens", "8"]  # fmt: skip
+    penalties = ["--min-p", "0.05", "--repetition-penalty", "1.3", "--frequency-penalty", "1.5",
+                 "--presence-penalty", "-0.5"]  # fmt: skip
+
+    def text(*argv: str) -> str:
+        assert main(list(argv)) == 0
+        return capsys.readouterr().out
+
+    served = text("client", "generate", "--addr", daemon.endpoint, *flags, *penalties)
+    local = text("generate", "--model", str(default_model), "--backend", "cpu",
+                 "--ctx-size", "256", *flags, *penalties)  # fmt: skip
+    plain = text("client", "generate", "--addr", daemon.endpoint, *flags)
+    assert served.strip() and served == local and served != plain
+
+
 def test_client_health_stats_and_trace(daemon: Daemon, tmp_path: Path, capsys) -> None:
     addr = ["--addr", daemon.endpoint]
     assert main(["client", "health", *addr]) == 0

@@ -60,9 +60,9 @@ def shared(tiny_model: Path) -> Iterator[Daemon]:
 @pytest.mark.parametrize(
     "fields",
     [{"top_k": 2**31}, {"top_k": 2**31 - 1}, {"top_k": 257}, {"top_p": 1e-46}, {"top_p": 1e-40},
-     {"temperature": 1e-46}],
+     {"temperature": 1e-46}, {"repetition_penalty": 1e-46}, {"presence_penalty": -1e-40}],
     ids=["top_k=2**31", "top_k=int32 max", "top_k=vocab+1", "top_p=1e-46", "top_p=f32 subnormal",
-         "temperature=1e-46"],
+         "temperature=1e-46", "repetition_penalty=1e-46", "presence_penalty=-f32 subnormal"],
 )  # fmt: skip
 def test_sampling_the_engine_cannot_hold_is_a_bad_request_and_takes_no_slot(
     shared: Daemon, fields: dict[str, Any]
@@ -96,6 +96,7 @@ def test_deeply_nested_values_are_bad_requests(shared: Daemon, depth: int) -> No
 
 
 F32_TINY = 2.0**-126  # float32's smallest normal number
+F32_MAX = (2.0 - 2.0**-23) * 2.0**127  # and its largest finite one
 I64_MIN, I64_MAX, U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 NAN, INF = float("nan"), float("inf")
 BAD, OK = "bad_request", "ok"
@@ -116,8 +117,17 @@ def float_edges(lo: float, hi: float, *, at_lo: str = OK) -> list[tuple[Any, str
     below, above = math.nextafter(lo, -INF), math.nextafter(hi, INF)
     edges = [(below, BAD), (lo, at_lo), (math.nextafter(lo, INF), OK)]
     edges += [(math.nextafter(hi, -INF), OK), (hi, OK), (above, BAD)]
-    edges += [(v, BAD) for v in (NAN, INF, -INF, I64_MIN, I64_MAX, U64_MAX)]
-    return edges + [(2**31, OK if lo <= 2**31 <= hi else BAD), (True, BAD), ("1", BAD), (None, BAD)]
+    edges += [(v, BAD) for v in (NAN, INF, -INF)]
+    edges += [(v, OK if lo <= v <= hi else BAD) for v in (I64_MIN, I64_MAX, U64_MAX, 2**31)]
+    return edges + [(True, BAD), ("1", BAD), (None, BAD)]
+
+
+def signed_float_edges(lo: float, hi: float) -> list[tuple[Any, str]]:
+    """A number field 0 or in [lo, hi] in magnitude (0 < lo): float_edges and their negatives,
+    and 0 with the values between 0 and lo."""
+    edges = float_edges(lo, hi)
+    mirrored = [(-v, e) for v, e in edges if isinstance(v, float) and math.isfinite(v)]
+    return [(0.0, OK), (-0.0, OK), (5e-324, BAD), (-1e-46, BAD), *edges, *mirrored]
 
 
 # Every numeric field of open/generate/append (the turn's) and of step, with the answer each
@@ -130,6 +140,12 @@ TURN_EDGES: dict[str, list[tuple[Any, str]]] = {
     "top_p": [(0.0, BAD), (5e-324, BAD), (1e-46, BAD)] + float_edges(F32_TINY, 1.0),
     "seed": int_edges(0, U64_MAX),
     "logprobs": int_edges(0, 20),
+    # float32 on the device, 0 where it means off: greedy turns, the penalties still apply
+    "min_p": [(0.0, OK), (-0.0, OK), (5e-324, BAD), (1e-46, BAD)] + float_edges(F32_TINY, 1.0),
+    "repetition_penalty": [(0.0, BAD), (-1.0, BAD), (1e-46, BAD)]
+    + float_edges(F32_TINY, F32_MAX),  # the device divides by it
+    "frequency_penalty": signed_float_edges(F32_TINY, 2.0),
+    "presence_penalty": signed_float_edges(F32_TINY, 2.0),
     "max_tokens": int_edges(1, 40, above_hi="limit_exceeded")
     + [(2**24, "limit_exceeded"), (2**24 + 1, BAD)],
     # a deadline of 5e-324 ms has passed before the first step
@@ -192,7 +208,10 @@ def probe(peer: Peer, op: str, name: str, value: Any) -> str:
 
 # At the smallest temperature numpy's float32 division overflows to -inf for every token but
 # the best, whose weight exp(0) = 1 is the only one left: greedy, as meant, with a warning.
+# At the largest repetition penalty a negative logit times it overflows to -inf: that token
+# is out, as meant, with a warning too.
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize(("op", "name", "value", "expected"), CASES, ids=map(_case_id, CASES))
 def test_every_numeric_boundary_gets_a_clear_answer_and_leaves_every_slot_free(
     shared: Daemon, op: str, name: str, value: Any, expected: str

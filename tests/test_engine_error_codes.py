@@ -69,9 +69,17 @@ def test_each_engine_refusal_has_its_code(engine: Engine) -> None:
         SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32
         SamplingParams(temperature=1e-46),  # 0 in float32, not greedy: a division by 0
         SamplingParams(temperature=float("inf")),
+        # a step reads its rows back as float32: 0 there, refused by the step's own check
+        SamplingParams(repetition_penalty=1e-46),
+        SamplingParams(repetition_penalty=1e39),  # inf in float32: every logit / inf
+        SamplingParams(temperature=1.0, min_p=1e-40),  # float32 subnormals: the device's
+        SamplingParams(frequency_penalty=-1e-40),  # arithmetic may flush them to 0
+        SamplingParams(presence_penalty=1e-46),
     ],
-    ids=["top_k=2**31", "top_p=1e-46", "temperature=1e-46", "temperature=inf"],
-)
+    ids=["top_k=2**31", "top_p=1e-46", "temperature=1e-46", "temperature=inf",
+         "repetition_penalty=1e-46", "repetition_penalty=1e39", "min_p=f32 subnormal",
+         "frequency_penalty=-f32 subnormal", "presence_penalty=1e-46"],
+)  # fmt: skip
 def test_sampling_the_device_cannot_hold_is_invalid_and_takes_no_slot(
     engine: Engine, sampling: SamplingParams
 ) -> None:

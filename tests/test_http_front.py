@@ -36,12 +36,15 @@ from rocforge_rt.server.http.app import FrontConfig, create_app
 from rocforge_rt.server.http.command import server_config
 from rocforge_rt.server.http.errors import ApiError
 from rocforge_rt.server.http.openai_requests import chat_request, completion_request
+from rocforge_rt.server.protocol import Sampling, parse_request
 
 CHAT = [  # a short system message: the template's own makes a prompt of 37 tokens, this 24
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
 PROMPT = "The capital of France is"
+PENALTIES = {"min_p": 0.05, "repetition_penalty": 1.3, "frequency_penalty": 1.5,
+             "presence_penalty": -0.5}  # fmt: skip
 KEY = "sk-test-0123456789"
 MAX_NEW_TOKENS = 32
 
@@ -139,8 +142,15 @@ def _idle(health: dict[str, Any]) -> bool:
         ({"model": "m", "messages": CHAT, "stop": ["a"] * 17}, "stop"),
         ({"model": "m", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
         ({"model": "m", "messages": CHAT, "seed": 1.5}, "seed"),
-        ({"model": "m", "messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"model": "m", "messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"model": "m", "messages": CHAT, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"model": "m", "messages": CHAT, "presence_penalty": -2.01}, "presence_penalty"),
+        ({"model": "m", "messages": CHAT, "presence_penalty": "0.5"}, "presence_penalty"),
+        ({"model": "m", "messages": CHAT, "min_p": 1.5}, "min_p"),
+        ({"model": "m", "messages": CHAT, "min_p": -0.1}, "min_p"),
+        ({"model": "m", "messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": "m", "messages": CHAT, "repetition_penalty": -1.2}, "repetition_penalty"),
+        ({"model": "m", "messages": CHAT, "repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"model": "m", "messages": CHAT, "repetition_penalty": True}, "repetition_penalty"),
         ({"model": "m", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
         ({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         (
@@ -165,9 +175,6 @@ def test_a_chat_request_becomes_one_generate_with_openais_defaults() -> None:
             "max_completion_tokens": 5,
             "stop": "\n",
             "seed": -1,
-            "presence_penalty": 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1,
             "user": "someone",
             "some_future_field": {"x": 1},  # unknown fields are ignored
             "stream": True,
@@ -186,6 +193,30 @@ def test_a_chat_request_becomes_one_generate_with_openais_defaults() -> None:
     assert request.fields["stop"] == ["\n"] and request.fields["seed"] == (1 << 64) - 1
     assert request.stream and request.include_usage
     assert request.logprobs == 0 and request.fields["logprobs"] == 1  # 1 brings token bytes
+    assert all(fields[name] is None for name in PENALTIES)  # not sent: the daemon's, none
+
+
+def test_min_p_and_the_penalties_become_the_generate_fields_of_their_names() -> None:
+    """OpenAI's presence and frequency penalties, llama.cpp's and vLLM's min_p and
+    repetition_penalty: the daemon's `generate` takes them as they are."""
+    request = completion_request({"model": "m", "prompt": "hi", **PENALTIES, "min_p": 0})
+    fields = request.generate_fields(max_new_tokens=32)
+    assert {name: fields[name] for name in PENALTIES} == {**PENALTIES, "min_p": 0.0}
+    sent = {name: value for name, value in fields.items() if value is not None}  # daemon_link's
+    generate = parse_request({"op": "generate", **sent})
+    assert generate.turn.sampling == Sampling(
+        temperature=1.0, top_p=1.0, min_p=0.0, repetition_penalty=1.3, frequency_penalty=1.5,
+        presence_penalty=-0.5,
+    )  # fmt: skip
+    chat = chat_request({"model": "m", "messages": CHAT, "frequency_penalty": -2, "min_p": 1})
+    assert (chat.fields["frequency_penalty"], chat.fields["min_p"]) == (-2.0, 1.0)
+
+
+def test_a_penalty_or_min_p_below_float32s_smallest_normal_is_0_as_on_the_device() -> None:
+    body = {"model": "m", "prompt": "hi", "min_p": 1e-40, "presence_penalty": -1e-45,
+            "frequency_penalty": 1e-39}  # fmt: skip
+    fields = completion_request(body).fields
+    assert (fields["min_p"], fields["presence_penalty"], fields["frequency_penalty"]) == (0, 0, 0)
 
 
 def test_a_completion_takes_a_string_or_token_ids_and_16_tokens_by_default() -> None:
@@ -208,6 +239,28 @@ def test_models_lists_the_daemons_model_by_its_file_name(sdk: openai.OpenAI, mod
     assert sdk.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("gpt-4o")
+
+
+def test_penalties_and_min_p_sample_as_the_zeromq_clients_do(
+    sdk: openai.OpenAI, model: str, daemon: Daemon
+) -> None:
+    """A seeded completion with min_p and the penalties is the ZeroMQ client's with the same
+    parameters, which is not the text without them."""
+    sampling = {"temperature": 0.9, "seed": 1234, "max_tokens": 8}
+    with connect(daemon.endpoint, timeout=120) as client:
+        expected = "".join(r.text for r in client.generate(PROMPT, **sampling, **PENALTIES))
+        plain = "".join(r.text for r in client.generate(PROMPT, **sampling))
+    assert expected != plain
+    extensions = {name: PENALTIES[name] for name in ("min_p", "repetition_penalty")}
+    reply = sdk.completions.create(
+        model=model,
+        prompt=PROMPT,
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        presence_penalty=PENALTIES["presence_penalty"],
+        extra_body=extensions,
+        **sampling,
+    )
+    assert reply.choices[0].text == expected and reply.usage.completion_tokens == 8
 
 
 def test_a_chat_completion_answers_in_openais_shape(sdk: openai.OpenAI, model: str) -> None:
@@ -322,14 +375,18 @@ def test_an_unknown_model_is_a_404(url: str) -> None:
     assert (error["code"], error["param"]) == ("model_not_found", "model")
 
 
-def test_penalties_are_refused_unless_neutral(url: str, model: str) -> None:
+def test_an_out_of_range_penalty_or_min_p_is_a_400_naming_it(url: str, model: str) -> None:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-    assert post(url, "/v1/completions", {**body, **neutral, "min_p": 0}).status_code == 200
-    response = post(url, "/v1/completions", {**body, "presence_penalty": 0.5})
-    assert response.status_code == 400
-    error = error_of(response)
-    assert error["param"] == "presence_penalty" and "not supported yet" in error["message"]
+    for name, value, shown in (
+        ("presence_penalty", 2.5, "from -2 to 2"),
+        ("frequency_penalty", -3, "from -2 to 2"),
+        ("min_p", 1.1, "from 0 to 1"),
+        ("repetition_penalty", 0, "> 0"),
+    ):
+        response = post(url, "/v1/completions", {**body, name: value})
+        assert response.status_code == 400
+        error = error_of(response)
+        assert error["param"] == name and shown in error["message"], error
 
 
 def test_a_prompt_too_long_and_max_tokens_over_the_limit_are_400s(url: str, model: str) -> None:

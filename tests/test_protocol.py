@@ -1,9 +1,14 @@
 """The wire protocol: request schemas, limits and error codes, without sockets."""
 
+import math
+
 import msgpack
+import numpy as np
 import pytest
 
+from rocforge_rt.server.jobs import Limits
 from rocforge_rt.server.protocol import (
+    MAX_PENALTY,
     OPS,
     ErrorCode,
     Prompt,
@@ -16,6 +21,10 @@ from rocforge_rt.server.protocol import (
     request_id,
     unpack,
 )
+from rocforge_rt.server.translate import turn_args
+from rocforge_rt.step.sampling import MAX_FREQUENCY_PENALTY, SamplingParams
+
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def rejected(obj: object) -> ProtocolError:
@@ -69,6 +78,40 @@ def test_open_with_text_sampling_and_stop_strings() -> None:
     assert request.turn.sampling == Sampling(0.7, 40, 0.9, 3, 2)
     assert request.turn.stop == ("\n\n", "User:")
     assert request.turn.max_tokens == 16
+
+
+PENALTIES = {"min_p": 0.05, "repetition_penalty": 1.1, "frequency_penalty": -0.5,
+             "presence_penalty": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["open", "generate", "append"])
+def test_every_turn_takes_min_p_and_the_penalties(op: str) -> None:
+    session = {"session": 1} if op == "append" else {}
+    turn = parse_request({"op": op, **session, "tokens": [1], **PENALTIES}).turn
+    assert turn.sampling == Sampling(
+        min_p=0.05, repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=2.0
+    )
+    assert isinstance(turn.sampling.presence_penalty, float)
+
+
+def test_a_turns_sampling_reaches_the_engine_as_sampling_params() -> None:
+    request = parse_request(
+        {"op": "open", "tokens": [1], "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 3,
+         "logprobs": 2, **PENALTIES}
+    )  # fmt: skip
+    limits = Limits(n_ctx=64, max_sessions=1, max_prompt_tokens=32, max_new_tokens=8,
+                    idle_timeout_s=60.0)  # fmt: skip
+    args = turn_args(limits, 256, request.turn, [1])
+    assert args["sampling"] == SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.9, seed=3, logprobs=2, min_p=0.05,
+        repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=2.0,
+    )  # fmt: skip
+    neutral = turn_args(limits, 256, parse_request({"op": "open", "tokens": [1]}).turn, [1])
+    assert neutral["sampling"] == SamplingParams() and not neutral["sampling"].penalized
+
+
+def test_the_wire_bounds_the_penalties_as_the_engine_does() -> None:
+    assert MAX_PENALTY == MAX_FREQUENCY_PENALTY
 
 
 def test_defaults_are_greedy_without_limits_of_their_own() -> None:
@@ -125,6 +168,13 @@ def test_append_takes_text_or_tokens_but_not_messages() -> None:
         ({"op": "open", "prompt": "x", "temperature": float("nan")}, "temperature"),
         ({"op": "open", "prompt": "x", "top_p": 0.0}, "top_p"),
         ({"op": "open", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"op": "open", "prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"op": "open", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (
+            {"op": "append", "session": 1, "prompt": "x", "frequency_penalty": 3},
+            "frequency_penalty",
+        ),
+        ({"op": "generate", "prompt": "x", "presence_penalty": "0.5"}, "presence_penalty"),
         ({"op": "open", "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"op": "open", "prompt": "x", "stop": ["a"] * 17}, "stop"),
         ({"op": "open", "prompt": "x", "stop": [3]}, "stop[0]"),
@@ -245,13 +295,20 @@ def test_field_errors_show_values_short_and_without_recursing(value: object, sho
         ("top_k", [0, 2**31 - 1], [-1, 2**31, 2**63 - 1]),  # the vocabulary: translate.py
         ("seed", [0, 2**64 - 1], [-1, -(2**63)]),
         ("logprobs", [0, 20], [-1, 21, 2**31]),
+        ("min_p", [0.0, 2.0**-126, 0.05, 1], [-0.0001, 1e-40, 1.0000001, float("nan")]),
+        ("repetition_penalty", [2.0**-126, 1, 1.3, F32_MAX],
+         [0.0, -1.0, 1e-40, math.nextafter(F32_MAX, math.inf), float("inf")]),
+        ("frequency_penalty", [0, -2, -(2.0**-126), 2.0**-126, 2.0],
+         [1e-40, -1e-45, -2.0000001, 2.0000001, float("-inf"), True]),
+        ("presence_penalty", [0.0, -2.0, 0.5, 2], [-1e-40, 5e-324, -3, 2.5, "0.5", None]),
     ],
-)
+)  # fmt: skip
 def test_sampling_fields_hold_what_the_device_reads_int32_and_normal_float32(
     field: str, ok: list, bad: list
 ) -> None:
-    """temperature and top_p are float32 on the device, which divides by the temperature: a
-    value that rounds to 0 or a subnormal is refused; top_k is its int32."""
+    """temperature, top_p, min_p and the penalties are float32 on the device, which divides
+    by the temperature and the repetition penalty: a value that rounds to 0 or a subnormal is
+    refused (0 itself where it means off); top_k is its int32."""
     for value in ok:
         parse_request({"op": "open", "tokens": [1], field: value})
     for value in bad:

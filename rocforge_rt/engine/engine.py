@@ -240,9 +240,10 @@ class Engine:
     @staticmethod
     def _sampler(sampling: SamplingParams) -> Sampler:
         """The turn's sampler; EngineError(INVALID_ARGUMENT) for parameters a step cannot hold
-        (the device reads top_k as int32, temperature and top_p as float32, and divides by
-        the temperature)."""
-        t, k = sampling.temperature, sampling.top_k
+        (the device reads top_k as int32, the others as float32, and divides by the
+        temperature and the repetition penalty; a step reads its rows back from float32, so
+        a value that rounds to 0 or a subnormal would change meaning on the way)."""
+        t, k, rep = sampling.temperature, sampling.top_k, sampling.repetition_penalty
         checks = (
             (k <= INT32_MAX, f"top_k must be at most {INT32_MAX}, got {k}"),
             (
@@ -252,6 +253,23 @@ class Engine:
             (
                 sampling.top_p >= FLOAT32_TINY,
                 f"top_p must be at least {FLOAT32_TINY} (float32), got {sampling.top_p}",
+            ),
+            (
+                FLOAT32_TINY <= rep <= FLOAT32_MAX,
+                f"repetition_penalty must be in [{FLOAT32_TINY}, {FLOAT32_MAX}] (float32),"
+                f" got {rep}",
+            ),
+            *(
+                (
+                    value == 0.0 or abs(value) >= FLOAT32_TINY,
+                    f"{name} must be 0 or at least {FLOAT32_TINY} in magnitude (float32),"
+                    f" got {value}",
+                )
+                for name, value in (
+                    ("min_p", sampling.min_p),
+                    ("frequency_penalty", sampling.frequency_penalty),
+                    ("presence_penalty", sampling.presence_penalty),
+                )
             ),
         )
         for ok, message in checks:

@@ -158,10 +158,7 @@ def _reporting_client_errors(command: Callable[[argparse.Namespace], int]) -> Ca
 def _cmd_client_generate(args: argparse.Namespace) -> int:
     turn: dict[str, Any] = {
         "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
+        **sampling_options(args),
         "stop": args.stop or None,
     }
     if args.chat:
@@ -482,8 +479,51 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    # llama.cpp's, as rocforge_rt/step/sampling.py says
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="0 to 1: tokens less likely than MIN_P times the best one are out (0: off)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 0: on each of the last 64 tokens of the context (1: off)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="-2 to 2: times each token's count in the last 64 (0: off)",
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="-2 to 2: once for each token in the last 64 (0: off)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+SAMPLING_OPTIONS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling options of add_generation_options, by the names SamplingParams and the
+    protocol's turn fields share."""
+    return {name: getattr(args, name) for name in SAMPLING_OPTIONS}
 
 
 def _client_options(parser: argparse.ArgumentParser, timeout: float = REPLY_TIMEOUT_S) -> None:

@@ -98,6 +98,22 @@ def number(lo: float, hi: float, *, open_lo: bool = False, or_zero: bool = False
     return check
 
 
+def signed_number(bound: float, least: float) -> Check:
+    """A number in [-bound, bound] that is 0 or at least `least` in magnitude."""
+
+    def check(name: str, value: Any) -> float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            ok = math.isfinite(value) and (value == 0.0 or least <= abs(value) <= bound)
+        if not ok:
+            expected = f"0 or a number in [-{bound}, -{least}] or [{least}, {bound}]"
+            raise field_error(name, expected, value)
+        return value + 0.0  # -0.0 is 0.0
+
+    return check
+
+
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise field_error(name, "true or false", value)

@@ -9,6 +9,7 @@ that depend on the daemon's configuration are checked by translate.py.
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ from rocforge_rt.server.fields import (
     integer,
     number,
     request_id_field,
+    signed_number,
     stop_strings,
     string,
     token_ids,
@@ -41,7 +43,11 @@ MAX_SECRET_CHARS = 256  # a session token or an operator key
 MAX_NESTING = 8  # containers within containers: a request needs 3 (map, messages, message)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 INT32_MAX = (1 << 31) - 1
-FLOAT32_TINY = 2.0**-126  # float32's smallest normal number: the device divides by temperature
+# float32's smallest normal and largest numbers: the device's sampling values are float32, and
+# it divides by temperature and repetition_penalty
+FLOAT32_TINY = 2.0**-126
+FLOAT32_MAX = (2.0 - 2.0**-23) * 2.0**127
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (step/sampling.py's, OpenAI's range)
 
 
 # --- the request types --------------------------------------------------------------------
@@ -61,6 +67,10 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,11 @@ _TURN_FIELDS: dict[str, Check] = {
     "top_p": number(FLOAT32_TINY, 1.0),
     "seed": integer(0, (1 << 64) - 1),
     "logprobs": integer(0, 20),
+    # llama.cpp's (step/sampling.py); float32 on the device: 0 or normal
+    "min_p": number(FLOAT32_TINY, 1.0, or_zero=True),  # 0: no cut
+    "repetition_penalty": number(FLOAT32_TINY, FLOAT32_MAX),  # 1: none
+    "frequency_penalty": signed_number(MAX_PENALTY, FLOAT32_TINY),  # 0: none
+    "presence_penalty": signed_number(MAX_PENALTY, FLOAT32_TINY),  # 0: none
     "stop": stop_strings,
     "max_tokens": integer(1, MAX_TOKENS_FIELD),
 }
@@ -141,6 +156,7 @@ OPS: dict[str, dict[str, Check]] = {
     },
 }
 _REQUIRED = {"append": ("session",), "step": ("session",), "close": ("session",)}
+SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))  # a turn's, by name
 
 
 # --- decoding -----------------------------------------------------------------------------
@@ -272,10 +288,9 @@ def _turn(op: str, v: Mapping[str, Any]) -> Turn:
             f"op {op!r} needs exactly one of {', '.join(map(repr, allowed))}"
             + (f", found {', '.join(map(repr, given))}" if given else ""),
         )
-    sampling_fields = ("temperature", "top_k", "top_p", "seed", "logprobs")
     return Turn(
         prompt=Prompt(text=v.get("prompt"), tokens=v.get("tokens"), messages=v.get("messages")),
-        sampling=Sampling(**{k: v[k] for k in sampling_fields if k in v}),
+        sampling=Sampling(**{k: v[k] for k in SAMPLING_FIELDS if k in v}),
         stop=v.get("stop", ()),
         max_tokens=v.get("max_tokens"),
     )

@@ -102,7 +102,17 @@ def turn_args(limits: Limits, n_vocab: int, turn: Turn, ids: list[int]) -> dict[
             ErrorCode.BAD_REQUEST,
             f"field 'top_k': expected at most the vocabulary's {n_vocab} tokens, found {s.top_k}",
         )
-    sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, s.logprobs)
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        logprobs=s.logprobs,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+    )
     return {"sampling": sampling, "stop": turn.stop, "max_tokens": max_tokens}
 
 

@@ -4,13 +4,17 @@
 `Generation`: the fields of one `generate` (a one-shot turn: the daemon opens a session for
 it and closes it at the end) and how its replies are to be shaped. Every refusal is an
 `ApiError` (400) naming the field. Fields this front does not know are ignored, as
-OpenAI-compatible servers do; fields it knows but cannot honour yet are accepted at their
-neutral value and refused otherwise, by name, so a client never gets silently different
-sampling than it asked for.
+OpenAI-compatible servers do; fields it knows but cannot honour (`tools`, `logit_bias`,
+...) are accepted at their default and refused otherwise, by name, so a client never gets
+silently different output than it asked for.
 
-Defaults follow the OpenAI API reference: `temperature` 1, `top_p` 1, `/v1/completions`'
-`max_tokens` 16; a chat completion without `max_tokens` may run to the daemon's
-`--max-new-tokens`.
+Sampling: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and
+`frequency_penalty` (-2 to 2), and the extensions llama.cpp's and vLLM's servers take,
+`top_k`, `min_p` (0 to 1) and `repetition_penalty` (> 0). The penalties are llama.cpp's,
+over the last 64 tokens of the context, prompt included (step/sampling.py has the rules).
+Defaults follow the OpenAI API reference: `temperature` 1, `top_p` 1, no penalty,
+`/v1/completions`' `max_tokens` 16; a chat completion without `max_tokens` may run to the
+daemon's `--max-new-tokens`.
 """
 
 import math
@@ -19,7 +23,7 @@ from typing import Any
 
 from rocforge_rt.server.fields import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from rocforge_rt.server.http.errors import bad_field
-from rocforge_rt.server.protocol import FLOAT32_TINY, INT32_MAX
+from rocforge_rt.server.protocol import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, MAX_PENALTY
 
 MAX_TOP_LOGPROBS = 20  # the daemon's `logprobs` bound (step/sampling.py's MAX_LOGPROBS)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -31,13 +35,6 @@ ROLES = {  # OpenAI's role -> the chat template's
     "user": "user",
     "assistant": "assistant",
     "tool": "tool",
-}
-# parameters another change implements: their neutral value is accepted, any other refused
-NEUTRAL = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
 }
 
 
@@ -116,16 +113,6 @@ def _common(body: Any, prompt_field: str) -> dict[str, Any]:
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad_field("n", f"'n' must be 1 (one choice a request), got {_short(n)}")
-    for name, neutral in NEUTRAL.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _is_number(value):
-            raise bad_field(name, f"'{name}' must be a number, got {_short(value)}")
-        if value != neutral:
-            raise bad_field(
-                name, f"'{name}' is not supported yet: only {neutral:g} (no effect) is accepted"
-            )
     _refuse_unsupported(body)
     temperature = _number(body, "temperature", 0.0, MAX_TEMPERATURE, DEFAULT_TEMPERATURE)
     if temperature < FLOAT32_TINY:
@@ -138,6 +125,7 @@ def _common(body: Any, prompt_field: str) -> dict[str, Any]:
         "top_p": max(top_p, FLOAT32_TINY),  # 0: only the most likely token, as the tiniest
         "top_k": max(top_k, 0) if top_k is not None else None,
         "seed": None if seed is None else seed % (1 << 64),  # a negative seed: its 64 bits
+        **_penalties(body),
         "stop": _stop(body.get("stop")),
     }
     stream = _boolean(body, "stream")
@@ -152,6 +140,29 @@ def _common(body: Any, prompt_field: str) -> dict[str, Any]:
         "stream": stream,
         "include_usage": include_usage,
     }
+
+
+def _penalties(body: dict[str, Any]) -> dict[str, float | None]:
+    """`min_p` and the three penalties as the `generate` fields (None: not given, the daemon's
+    default: no effect). A value below float32's smallest normal number in magnitude is 0, as
+    on the device; a repetition penalty must be a normal float32 (the device divides by it)."""
+    fields: dict[str, float | None] = {}
+    for name, lo, hi in (
+        ("min_p", 0.0, 1.0),
+        ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
+        ("presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+    ):
+        value = _number(body, name, lo, hi, 0.0) if body.get(name) is not None else None
+        fields[name] = 0.0 if value is not None and abs(value) < FLOAT32_TINY else value
+    value = body.get("repetition_penalty")
+    if value is not None and not (_is_number(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
+        raise bad_field(
+            "repetition_penalty",
+            f"'repetition_penalty' must be a number > 0 (1: none; a float32 from"
+            f" {FLOAT32_TINY:g} to {FLOAT32_MAX:g}), got {_short(value)}",
+        )
+    fields["repetition_penalty"] = None if value is None else float(value)
+    return fields
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
