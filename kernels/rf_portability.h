@@ -69,6 +69,7 @@ RF_DEVICE_INLINE uint16_t rf_float_to_half(float v) {  // round to nearest even
 }
 
 #define RF_INFINITY __builtin_huge_valf()
+#define RF_FLOAT_MAX 3.40282347e+38f  // the largest finite float32
 
 // rf_shfl(v, src, width): v of lane `src` of this lane's aligned group of `width` lanes.
 RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {
@@ -164,6 +165,7 @@ RF_DEVICE_INLINE uint16_t rf_float_to_half(float v) {  // round to nearest even
 }
 
 #define RF_INFINITY __int_as_float(0x7f800000)
+#define RF_FLOAT_MAX __int_as_float(0x7f7fffff)  // the largest finite float32
 
 // rf_shfl(v, src, width): v of lane `src` of this lane's aligned group of `width` lanes.
 RF_DEVICE_INLINE int rf_shfl(int v, int src_lane, int width) {

@@ -780,8 +780,9 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
 // ---------------------------------------------------------------------------------------
 // rf_sample_penalize: llama.cpp's penalties on each logits row, in place (sampling.py
 //   penalize): a token seen c times among the row's recent tokens has its logit x
-//   divided by repetition_penalty (multiplied when x <= 0), then loses
-//   c * frequency_penalty + presence_penalty, each operation rounded as written.
+//   divided by repetition_penalty (multiplied when x <= 0) and kept within float32's
+//   finite range, then loses c * frequency_penalty + presence_penalty, each operation
+//   rounded as written.
 //   recent     int32 [n_rows, RF_SAMPLE_PENALTY_WINDOW]: the token at context position q
 //              at entry q % RF_SAMPLE_PENALTY_WINDOW, -1 where none (sampling.py
 //              recent_window). The row's input token (tokens[first_row + r], at
@@ -824,5 +825,6 @@ void rf_sample_penalize(float* RF_RESTRICT logits, int n_vocab,
     float* x = logits + (int64_t)row * n_vocab + token;
     float v = *x;
     v = v <= 0.0f ? __fmul_rn(v, p.repetition_penalty) : __fdiv_rn(v, p.repetition_penalty);
+    v = fminf(fmaxf(v, -RF_FLOAT_MAX), RF_FLOAT_MAX);
     *x = __fsub_rn(v, __fadd_rn(__fmul_rn((float)count, p.frequency_penalty), p.presence_penalty));
 }

@@ -83,7 +83,7 @@ PENALIZED = [
     SamplingParams(temperature=1.2, top_p=0.9, min_p=0.1, frequency_penalty=0.7),
     SamplingParams(temperature=0.7, top_k=40, presence_penalty=-1.5, repetition_penalty=0.8),
     SamplingParams(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, logprobs=5),
-    SamplingParams(temperature=1.0, min_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.5, repetition_penalty=2.0**-126),  # saturates
     SamplingParams(temperature=0.5, top_k=1000, repetition_penalty=1.1, min_p=0.02),
     SamplingParams(temperature=1.0),  # unpenalized beside penalized rows
 ]

@@ -202,3 +202,13 @@ def test_min_p_gives_weight_zero_to_tokens_below_min_p_times_the_best_at_tempera
     best = LOGITS.max()
     assert kept == {t for t in range(5) if math.exp(LOGITS[t] - best) >= 0.3} == {1, 2}
     assert set(draws(params)) == {1, 2}
+
+
+def test_a_tiny_repetition_penalty_saturates_at_the_largest_float32_and_still_samples():
+    logits = np.array([1.0, 30.0, 20.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0**-126, seed=3)
+    recent = recent_window([1, 2])  # 30 and 20 times 2^126 overflow float32
+    top = float(np.finfo(np.float32).max)
+    assert penalize(logits, params, recent).tolist() == [1.0, top, top]
+    picked = sample_row(logits, params, 3, 5, recent)
+    assert picked.token in (1, 2) and picked.logprob == pytest.approx(math.log(0.5))

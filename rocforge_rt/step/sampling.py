@@ -6,8 +6,9 @@ in numpy (the CPU backend runs it, the GPU tests compare kernels/sampling.hip to
 
 - Penalties first, llama.cpp's (its sampler `penalties`), over the last PENALTY_WINDOW
   tokens of the context, prompt included (`recent`): each token seen there c times has
-  its logit x divided by repetition_penalty (multiplied, when x <= 0), then
-  x - (c * frequency_penalty + presence_penalty), in float32 in that order. Everything
+  its logit x divided by repetition_penalty (multiplied, when x <= 0) and kept within
+  float32's finite range, then x - (c * frequency_penalty + presence_penalty), in float32
+  in that order. Everything
   below, log-probabilities included, sees the penalized logits.
 - Greedy (temperature 0, or top_k 1): the argmax, lowest index among equal maxima.
 - Otherwise tokens are ranked by logit, then by index (lower first). The candidates
@@ -41,6 +42,7 @@ WEIGHT_SCALE = np.float32(2.0**40)  # weights are exp(...) in (0, 1] times this,
 MAX_LOGPROBS = 20
 PENALTY_WINDOW = 64  # recent tokens the penalties count (llama.cpp's penalty_last_n default)
 MAX_FREQUENCY_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
+FLOAT32_MAX = np.finfo(np.float32).max
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -239,7 +241,8 @@ def penalize(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> 
     ids, counts = np.unique(recent[recent >= 0], return_counts=True)
     v = x[ids]
     rep = np.float32(params.repetition_penalty)
-    v = np.where(v <= 0, v * rep, v / rep)
+    with np.errstate(over="ignore"):  # a tiny penalty: clamped to the largest float32
+        v = np.clip(np.where(v <= 0, v * rep, v / rep), -FLOAT32_MAX, FLOAT32_MAX)
     per_count = counts.astype(np.float32) * np.float32(params.frequency_penalty)
     x[ids] = v - (per_count + np.float32(params.presence_penalty))
     return x
