@@ -115,10 +115,10 @@ def _serve(args: argparse.Namespace) -> None:
         )
         front.start_when_ready(daemon.wait_ready)
     try:
-        daemon.run()
+        daemon.run(before_close=front.stop if front is not None else None)
     finally:
         if front is not None:
-            front.stop()
+            front.stop()  # a no-op once the daemon stopped it
 
 
 def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:

@@ -189,8 +189,11 @@ class Daemon:
     def wait_ready(self, timeout: float) -> bool:
         return self.engine_loop.ready.wait(timeout)
 
-    def run(self) -> None:
-        """Serve until stopped; ServerError if the engine could not start or failed."""
+    def run(self, before_close: Callable[[], object] | None = None) -> None:
+        """Serve until stopped; ServerError if the engine could not start or failed.
+
+        `before_close` runs once every reply is out, before the sockets close (`serve
+        --http` stops its front there, so the front never sees the daemon vanish)."""
         restore = self._install_signal_handlers()  # before any thread starts: a signal's own
         # handler may raise out of here until then
         engine_thread = threading.Thread(target=self.engine_loop.run, name="rocforge-engine")
@@ -202,6 +205,8 @@ class Daemon:
             raise
         finally:
             engine_thread.join()
+            if before_close is not None:
+                before_close()
             self._close_sockets()
             for sig, handler in restore.items():
                 signal.signal(sig, handler)

@@ -97,7 +97,10 @@ class FrontProcess:
 
     def stop(self) -> int | None:
         """Stop the child (SIGTERM, SIGKILL after the timeout); its exit code, None if it
-        never started."""
+        never started. Once stopped, a further call only returns that code."""
+        if self._stopping.is_set():
+            with self._lock:
+                return None if self.process is None else self.process.returncode
         self._stopping.set()
         with self._lock:
             process = self.process
