@@ -99,7 +99,7 @@ def test_a_quantized_embedding_looks_up_the_dequantized_rows():
         assert np.array_equal(looked_up, dequantize(tensor)[batch.tokens])
 
 
-KERNEL_SHAPES = [(3072, 576, Q.Q4_0), (576, 1536, Q.Q8_0), (8, 160, Q.Q4_0), (8, 160, Q.Q8_0)]
+KERNEL_SHAPES = [(3072, 576, Q.Q4_0), (576, 1536, Q.Q8_0), (10, 160, Q.Q4_0), (10, 160, Q.Q8_0)]
 
 
 @pytest.mark.parametrize(("n_out", "n_in", "qtype"), KERNEL_SHAPES)
@@ -111,7 +111,7 @@ def test_the_compiled_matmul_is_the_numpy_canonical_sum_bit_for_bit(n_out, n_in,
     rng = np.random.default_rng(n_out * n_in + threads)
     backend = CpuBackend(hparams(), 1, 1, threads=threads)
     matrix = backend.linear(weight(rng, n_out, n_in, qtype))
-    for rows in (1, 2, 3, 17):
+    for rows in (1, 2, 3, 9, 17):
         x = rng.standard_normal((rows, n_in)).astype(np.float32)
         got = backend.matmul_add(x, matrix, np.zeros((rows, n_out), np.float32))
         assert np.array_equal(bits(got), bits(q8_matmul_reference(x, matrix))), rows
@@ -229,10 +229,11 @@ def test_the_kernels_compile_uncached_where_numba_has_nowhere_to_cache():
 
 def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
     """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel the matmul
-    may take (decode rows, a prompt chunk's BLAS way; Q4_0 and int8 layouts) is compiled."""
+    may take (a row at a time, a prompt chunk's rows at once; Q4_0 and int8 layouts) is
+    compiled."""
     from rocforge_rt.backends import cpu_kernels
 
     CpuBackend(hparams(), 1, 1, threads=1).warm_up()
     for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
         assert kernel.signatures
-    assert len(cpu_kernels.unpack_ints.signatures) >= 2
+    assert len(cpu_kernels.q8_matmul_rows.signatures) >= 2

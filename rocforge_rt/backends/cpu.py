@@ -34,7 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
-from rocforge_rt.backends.cpu_kernels import q8_q4_matmul, q8_q8_matmul, unpack_ints
+from rocforge_rt.backends.cpu_kernels import q8_matmul_rows, q8_q4_matmul, q8_q8_matmul
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
@@ -44,12 +44,9 @@ from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32  # elements per quant block; the canonical sum takes them in stages of two
-# How q8_matmul walks a call; they bound memory and time, not results (every way applies the
-# same operations to each output): up to this many rows the compiled kernels, beyond it
-# BLAS dots over chunks of output rows (their integers unpacked) and of rows.
+# How q8_matmul walks a call (not its results: every way applies the same operations to
+# each output): up to this many rows the row-at-a-time kernels, beyond it q8_matmul_rows.
 _KERNEL_ROWS = 8
-_UNPACKED_ELEMENTS = 1 << 22  # weight integers unpacked at a time (float32: 16 MiB)
-_CHUNK_ELEMENTS = 1 << 19  # outputs per block-by-block pass
 
 # GGUF block layouts: bytes per block (an f16 scale, then the quants).
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
@@ -215,60 +212,21 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     operations, in a fixed order, whatever the rows around it and the threads.
     """
     q, scale_x = q8_blocks(x)
-    if x.shape[0] > _KERNEL_ROWS:
-        return _q8_matmul_blas(q, scale_x, weight)
-    q = np.ascontiguousarray(q.transpose(0, 2, 1))  # element-major, as the weights
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    if x.shape[0] > _KERNEL_ROWS:  # a prompt chunk: rows innermost
+        rows_inner = np.ascontiguousarray(q.transpose(1, 2, 0))
+        q8_matmul_rows(rows_inner, np.ascontiguousarray(scale_x.T), weight.quants,
+                       weight.scales, out)  # fmt: skip
+        return out
+    q = np.ascontiguousarray(q.transpose(0, 2, 1))  # element-major, as the weights
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
     kernel(q, scale_x, weight.quants, weight.scales, out)
     return out
 
 
-def _q8_matmul_blas(q: np.ndarray, scale_x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
-    """A prompt chunk's q8_matmul: over chunks of output rows, the weights' integers
-    unpacked to float32 for the chunk, each block's dots by BLAS (exact in any order:
-    integers below 2^24), folded as `_q8_fold` does (`_q8_block_by_block`)."""
-    rows, n_blocks, _ = q.shape
-    n_out = weight.shape[0]
-    cols = max(16, min(n_out, _UNPACKED_ELEMENTS // (n_blocks * Q8_BLOCK)))
-    row_chunk = max(1, _CHUNK_ELEMENTS // cols)
-    out = np.empty((rows, n_out), dtype=np.float32)
-    for start in range(0, n_out, cols):
-        stop = min(n_out, start + cols)
-        ints = np.empty((n_blocks, Q8_BLOCK, stop - start), dtype=np.float32)
-        unpack_ints(weight.quants, start, stop, ints)
-        scale_w = np.ascontiguousarray(weight.scales[start:stop].T)
-        for r in range(0, rows, row_chunk):
-            part = slice(r, r + row_chunk)
-            out[part, start:stop] = _q8_block_by_block(q[part], scale_x[part], ints, scale_w)
-    return out
-
-
-def _q8_block_by_block(
-    q: np.ndarray, scale_x: np.ndarray, ints: np.ndarray, scale_w: np.ndarray
-) -> np.ndarray:
-    """As `_q8_fold` computes it, holding one block's terms at a time: q [rows, n_blocks, 32]
-    and scale_x [rows, n_blocks]; ints [n_blocks, 32, n_out] and scale_w [n_blocks, n_out]."""
-    n_blocks, _, n_out = ints.shape
-    total, stage, dot, scale = (np.empty((q.shape[0], n_out), np.float32) for _ in range(4))
-    for b in range(0, n_blocks, 2):
-        np.matmul(q[:, b], ints[b], out=stage)
-        np.multiply.outer(scale_x[:, b], scale_w[b], out=scale)
-        stage *= scale  # fmaf(d, dot, 0)
-        if b + 1 < n_blocks:  # the stage's second block: fmaf(d, dot, stage)
-            np.matmul(q[:, b + 1], ints[b + 1], out=dot)
-            np.multiply.outer(scale_x[:, b + 1], scale_w[b + 1], out=scale)
-            _fma(scale, dot, stage, out=stage)
-        if b == 0:
-            total, stage = stage, total
-        else:
-            total += stage
-    return total
-
-
 def compile_kernels() -> None:
     """Compile (or load from numba's cache) every kernel q8_matmul calls: both weight layouts,
-    both ways (rows for the kernels, a prompt chunk's for BLAS)."""
+    both ways (a row at a time, a prompt chunk's rows at once)."""
     x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
         matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))

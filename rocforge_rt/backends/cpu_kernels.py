@@ -14,7 +14,12 @@ j of every block side by side), so that the dots of all of a row's blocks advanc
 element by element: a loop over blocks of independent sums, which LLVM vectorizes without
 reordering any sum.
 
-The parallel loop runs over chunks of output rows, and an output's value depends only
+A prompt chunk's rows (`q8_matmul_rows`) go the other way round: activations row-major
+innermost ([n_blocks, 32, rows]), so that one weight integer multiplies every row's at once
+and every loop over rows is independent sums (vectorized), _TILE weight rows at a time
+(each activation value read once for them). Same operations, same order, per output.
+
+The parallel loops run over chunks of output rows, and an output's value depends only
 on its own activation row and weight row: the result is the same whatever the rows beside
 it and whatever the thread count.
 
@@ -32,6 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 _CHUNK = 16  # output rows per parallel iteration (each iteration's buffers are its own)
+_TILE = 4  # weight rows a prompt chunk's iteration takes together (unrolled in q8_matmul_rows)
 
 
 def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
@@ -132,18 +138,63 @@ def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
                 _unpacked_rows(qx, w, sx, sw, o, dots, out)
 
 
+@_compiled()
+def _weight_pair(quants, o, j, b):  # pragma: no cover - compiled
+    """Weight row o's integers of elements j and j + 16 of block b, as float32 (0, 0 past the
+    last row): Q4_0 nibbles uint8 [n_out, 16, n_blocks] or int8 [n_out, 32, n_blocks]."""
+    if o >= quants.shape[0]:
+        return np.float32(0.0), np.float32(0.0)
+    if quants.shape[1] == 16:
+        byte = np.int32(quants[o, j, b])
+        return np.float32((byte & 15) - 8), np.float32((byte >> 4) - 8)
+    return np.float32(quants[o, j, b]), np.float32(quants[o, j + 16, b])
+
+
+@_compiled()
+def _fold_block(b, n_blocks, d_w, sx_b, dots, stage, total):  # pragma: no cover - compiled
+    """Block b of `_fold`'s canonical sum for every row at once: dots [rows] the block's
+    dots, sx_b [rows] its activation scales, d_w the weight row's; stage and total [rows]."""
+    rows = dots.shape[0]
+    if b % 2 == 0:
+        for r in range(rows):
+            stage[r] = (sx_b[r] * d_w) * dots[r]  # fmaf(d, dot, 0)
+    else:
+        for r in range(rows):  # fmaf(d, dot, stage), rounded once
+            d = np.float64(sx_b[r] * d_w)
+            stage[r] = np.float32(d * np.float64(dots[r]) + np.float64(stage[r]))
+    if b % 2 == 1 or b == n_blocks - 1:  # the stage is complete
+        for r in range(rows):
+            total[r] = stage[r] if b < 2 else total[r] + stage[r]
+
+
 @_compiled(parallel=True)
-def unpack_ints(quants, start, stop, out):  # pragma: no cover - compiled
-    """out [n_blocks, 32, stop - start] float32: the integers of weight rows start..stop
-    (quants: Q4_0 nibbles uint8 [n_out, 16, n_blocks] or int8 [n_out, 32, n_blocks])."""
-    n_blocks = quants.shape[2]
-    nibbles = quants.shape[1] == 16
-    for b in prange(n_blocks):
-        for j in range(quants.shape[1]):
-            for o in range(start, stop):
-                if nibbles:
-                    byte = np.int32(quants[o, j, b])
-                    out[b, j, o - start] = np.float32((byte & 15) - 8)
-                    out[b, j + 16, o - start] = np.float32((byte >> 4) - 8)
-                else:
-                    out[b, j, o - start] = np.float32(quants[o, j, b])
+def q8_matmul_rows(qx, sx, quants, sw, out):  # pragma: no cover - compiled
+    """out[r, o] for a prompt chunk: int8 activations qx (float32 integers [n_blocks, 32,
+    rows], rows innermost) with scales sx [n_blocks, rows], times Q4_0 or int8 weights
+    (`_weight_pair`'s layouts) with scales sw [n_out, n_blocks]; _TILE weight rows a pass."""
+    n_blocks, _, rows = qx.shape
+    n_out = sw.shape[0]
+    for c in prange((n_out + _TILE - 1) // _TILE):
+        o = c * _TILE
+        tile = min(_TILE, n_out - o)
+        dots = np.empty((_TILE, rows), dtype=np.float32)
+        stage = np.empty((_TILE, rows), dtype=np.float32)
+        total = np.empty((_TILE, rows), dtype=np.float32)
+        for b in range(n_blocks):
+            dots[:, :] = 0
+            for j in range(16):
+                l0, h0 = _weight_pair(quants, o, j, b)
+                l1, h1 = _weight_pair(quants, o + 1, j, b)
+                l2, h2 = _weight_pair(quants, o + 2, j, b)
+                l3, h3 = _weight_pair(quants, o + 3, j, b)
+                for r in range(rows):
+                    xl, xh = qx[b, j, r], qx[b, j + 16, r]
+                    dots[0, r] = dots[0, r] + xl * l0 + xh * h0
+                    dots[1, r] = dots[1, r] + xl * l1 + xh * h1
+                    dots[2, r] = dots[2, r] + xl * l2 + xh * h2
+                    dots[3, r] = dots[3, r] + xl * l3 + xh * h3
+            for t in range(tile):
+                _fold_block(b, n_blocks, sw[o + t, b], sx[b], dots[t], stage[t], total[t])
+        for t in range(tile):
+            for r in range(rows):
+                out[r, o + t] = total[t, r]
