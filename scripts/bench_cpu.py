@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import rocforge_rt  # noqa: F401 - its import sets OpenBLAS's thread timeout before numpy loads
+
 PEER_SCRIPT = Path(__file__).resolve().with_name("llamacpp_cpu_peer.py")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 FIGURES = ("decode_tokens_per_s", "prompt_tokens_per_s", "ttft_ms")

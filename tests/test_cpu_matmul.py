@@ -237,3 +237,19 @@ def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
     for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
         assert kernel.signatures
     assert len(cpu_kernels.q8_matmul_rows.signatures) >= 2
+
+
+def test_importing_rocforge_rt_before_numpy_shortens_openblas_spinning_unless_told_otherwise():
+    """OpenBLAS's idle workers spin ~0.1 s after each call by default, holding a core the
+    matmul needs; rocforge_rt sets OPENBLAS_THREAD_TIMEOUT=4 unless the environment has one."""
+    import os
+    import subprocess
+    import sys
+
+    script = "import os, rocforge_rt; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for given, expected in ((None, "4"), ("9", "9")):
+        run_env = env if given is None else {**env, "OPENBLAS_THREAD_TIMEOUT": given}
+        done = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.stdout.strip() == expected, done.stderr
