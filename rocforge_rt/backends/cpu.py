@@ -34,7 +34,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
-from rocforge_rt.backends.cpu_kernels import q8_matmul_rows, q8_q4_matmul, q8_q8_matmul
+from rocforge_rt.backends.cpu_kernels import (
+    q8_matmul_rows,
+    q8_q4_matmul,
+    q8_q8_matmul,
+    q8_rows_inner,
+)
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
@@ -211,13 +216,15 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     Row-independent: each output is its own activation row's and weight row's float32
     operations, in a fixed order, whatever the rows around it and the threads.
     """
-    q, scale_x = q8_blocks(x)
-    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    if x.shape[0] > _KERNEL_ROWS:  # a prompt chunk: rows innermost
-        rows_inner = np.ascontiguousarray(q.transpose(1, 2, 0))
-        q8_matmul_rows(rows_inner, np.ascontiguousarray(scale_x.T), weight.quants,
-                       weight.scales, out)  # fmt: skip
+    rows, n_blocks = x.shape[0], x.shape[1] // Q8_BLOCK
+    out = np.empty((rows, weight.shape[0]), dtype=np.float32)
+    if rows > _KERNEL_ROWS:  # a prompt chunk: quantized rows innermost
+        q = np.empty((n_blocks, Q8_BLOCK, rows), dtype=np.float32)
+        scale_x = np.empty((n_blocks, rows), dtype=np.float32)
+        q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
+        q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
         return out
+    q, scale_x = q8_blocks(x)
     q = np.ascontiguousarray(q.transpose(0, 2, 1))  # element-major, as the weights
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
     kernel(q, scale_x, weight.quants, weight.scales, out)

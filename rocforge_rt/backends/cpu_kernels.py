@@ -138,6 +138,25 @@ def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
                 _unpacked_rows(qx, w, sx, sw, o, dots, out)
 
 
+@_compiled(parallel=True)
+def q8_rows_inner(x, qx, sx):  # pragma: no cover - compiled
+    """`cpu.q8_blocks` of x [rows, k] (float32), rows innermost, for q8_matmul_rows: the
+    integers into qx [k / 32, 32, rows] (float32), the scales into sx [k / 32, rows]; the
+    same float32 operations (d = amax / 127, q = trunc(x / d + copysign(0.5, x / d)))."""
+    n_blocks, _, rows = qx.shape
+    for b in prange(n_blocks):
+        for r in range(rows):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(x[r, b * 32 + j]))
+            scale = amax / np.float32(127)
+            sx[b, r] = scale
+            divisor = scale if scale > 0 else np.float32(1)
+            for j in range(32):
+                q = x[r, b * 32 + j] / divisor
+                qx[b, j, r] = np.trunc(q + np.copysign(np.float32(0.5), q))
+
+
 @_compiled()
 def _weight_pair(quants, o, j, b):  # pragma: no cover - compiled
     """Weight row o's integers of elements j and j + 16 of block b, as float32 (0, 0 past the
