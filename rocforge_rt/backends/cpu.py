@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
 from rocforge_rt.backends.cpu_kernels import (
+    DECODE_ROWS,
     q8_matmul_rows,
     q8_q4_matmul,
     q8_q8_matmul,
@@ -225,7 +226,8 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
         q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
         return out
     q, scale_x = q8_blocks(x)
-    q = np.ascontiguousarray(q.transpose(0, 2, 1))  # element-major, as the weights
+    ints = np.int16 if rows <= DECODE_ROWS else np.float32  # the kernels' two ways
+    q = np.ascontiguousarray(q.transpose(0, 2, 1), dtype=ints)  # element-major, as weights
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
     kernel(q, scale_x, weight.quants, weight.scales, out)
     return out
@@ -237,8 +239,8 @@ def compile_kernels() -> None:
     x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
         matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))
-        q8_matmul(x[:1], matrix)
-        q8_matmul(x, matrix)
+        for rows in (1, DECODE_ROWS + 1, _KERNEL_ROWS + 1):
+            q8_matmul(x[:rows], matrix)
 
 
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
