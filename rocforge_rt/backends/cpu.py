@@ -39,6 +39,7 @@ from rocforge_rt.backends.cpu_kernels import (
     q8_matmul_rows,
     q8_q4_matmul,
     q8_q8_matmul,
+    q8_rows_elements,
     q8_rows_inner,
 )
 from rocforge_rt.errors import BackendError
@@ -225,9 +226,10 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
         q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
         q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
         return out
-    q, scale_x = q8_blocks(x)
     ints = np.int16 if rows <= DECODE_ROWS else np.float32  # the kernels' two ways
-    q = np.ascontiguousarray(q.transpose(0, 2, 1), dtype=ints)  # element-major, as weights
+    q = np.empty((rows, Q8_BLOCK, n_blocks), dtype=ints)  # element-major, as the weights
+    scale_x = np.empty((rows, n_blocks), dtype=np.float32)
+    q8_rows_elements(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
     kernel(q, scale_x, weight.quants, weight.scales, out)
     return out

@@ -154,23 +154,47 @@ def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
                 _unpacked_rows(qx, w, sx, sw, o, dots, out)
 
 
+@_compiled()
+def _q8_divisor(x, r, first):  # pragma: no cover - compiled
+    """`cpu.q8_blocks`' scale d = amax / 127 of x[r, first : first + 32], and what the block
+    is divided by (d, or 1 where d is 0)."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(x[r, first + j]))
+    scale = amax / np.float32(127)
+    return scale, scale if scale > 0 else np.float32(1)
+
+
+@_compiled()
+def _q8_round(v, divisor):  # pragma: no cover - compiled
+    """`cpu.q8_blocks`' integer of v: trunc(v / d + copysign(0.5, v / d)), in float32."""
+    q = v / divisor
+    return np.trunc(q + np.copysign(np.float32(0.5), q))
+
+
 @_compiled(parallel=True)
 def q8_rows_inner(x, qx, sx):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x [rows, k] (float32), rows innermost, for q8_matmul_rows: the
-    integers into qx [k / 32, 32, rows] (float32), the scales into sx [k / 32, rows]; the
-    same float32 operations (d = amax / 127, q = trunc(x / d + copysign(0.5, x / d)))."""
+    integers into qx [k / 32, 32, rows] (float32), the scales into sx [k / 32, rows]."""
     n_blocks, _, rows = qx.shape
     for b in prange(n_blocks):
         for r in range(rows):
-            amax = np.float32(0.0)
+            sx[b, r], divisor = _q8_divisor(x, r, b * 32)
             for j in range(32):
-                amax = max(amax, abs(x[r, b * 32 + j]))
-            scale = amax / np.float32(127)
-            sx[b, r] = scale
-            divisor = scale if scale > 0 else np.float32(1)
+                qx[b, j, r] = _q8_round(x[r, b * 32 + j], divisor)
+
+
+@_compiled()
+def q8_rows_elements(x, qx, sx):  # pragma: no cover - compiled
+    """`cpu.q8_blocks` of x [rows, k] (float32) element-major, for q8_q4_matmul and
+    q8_q8_matmul: the integers into qx [rows, 32, k / 32] (int16 or float32), the scales
+    into sx [rows, k / 32]."""
+    rows, _, n_blocks = qx.shape
+    for r in range(rows):
+        for b in range(n_blocks):
+            sx[r, b], divisor = _q8_divisor(x, r, b * 32)
             for j in range(32):
-                q = x[r, b * 32 + j] / divisor
-                qx[b, j, r] = np.trunc(q + np.copysign(np.float32(0.5), q))
+                qx[r, j, b] = _q8_round(x[r, b * 32 + j], divisor)
 
 
 @_compiled()
