@@ -155,33 +155,30 @@ def q8_q8_matmul(qx, sx, ints, sw, out):  # pragma: no cover - compiled
 
 
 @_compiled()
-def _q8_divisor(x, r, first):  # pragma: no cover - compiled
-    """`cpu.q8_blocks`' scale d = amax / 127 of x[r, first : first + 32], and what the block
-    is divided by (d, or 1 where d is 0)."""
+def _q8_block(x, r, first, values):  # pragma: no cover - compiled
+    """`cpu.q8_blocks` of x[r, first : first + 32]: its 32 integers into values (float32),
+    trunc(x / d + copysign(0.5, x / d)) with d = amax / 127 (1 where amax is 0), in float32;
+    returns d."""
     amax = np.float32(0.0)
     for j in range(32):
         amax = max(amax, abs(x[r, first + j]))
     scale = amax / np.float32(127)
-    return scale, scale if scale > 0 else np.float32(1)
-
-
-@_compiled()
-def _q8_round(v, divisor):  # pragma: no cover - compiled
-    """`cpu.q8_blocks`' integer of v: trunc(v / d + copysign(0.5, v / d)), in float32."""
-    q = v / divisor
-    return np.trunc(q + np.copysign(np.float32(0.5), q))
+    divisor = scale if scale > 0 else np.float32(1)
+    for j in range(32):
+        q = x[r, first + j] / divisor
+        values[j] = np.trunc(q + np.copysign(np.float32(0.5), q))
+    return scale
 
 
 @_compiled(parallel=True)
 def q8_rows_inner(x, qx, sx):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x [rows, k] (float32), rows innermost, for q8_matmul_rows: the
     integers into qx [k / 32, 32, rows] (float32), the scales into sx [k / 32, rows]."""
-    n_blocks, _, rows = qx.shape
-    for b in prange(n_blocks):
-        for r in range(rows):
-            sx[b, r], divisor = _q8_divisor(x, r, b * 32)
-            for j in range(32):
-                qx[b, j, r] = _q8_round(x[r, b * 32 + j], divisor)
+    for b in prange(qx.shape[0]):
+        values = np.empty(32, dtype=np.float32)
+        for r in range(qx.shape[2]):
+            sx[b, r] = _q8_block(x, r, b * 32, values)
+            qx[b, :, r] = values
 
 
 @_compiled()
@@ -189,12 +186,11 @@ def q8_rows_elements(x, qx, sx):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x [rows, k] (float32) element-major, for q8_q4_matmul and
     q8_q8_matmul: the integers into qx [rows, 32, k / 32] (int16 or float32), the scales
     into sx [rows, k / 32]."""
-    rows, _, n_blocks = qx.shape
-    for r in range(rows):
-        for b in range(n_blocks):
-            sx[r, b], divisor = _q8_divisor(x, r, b * 32)
-            for j in range(32):
-                qx[r, j, b] = _q8_round(x[r, b * 32 + j], divisor)
+    values = np.empty(32, dtype=np.float32)
+    for r in range(qx.shape[0]):
+        for b in range(qx.shape[2]):
+            sx[r, b] = _q8_block(x, r, b * 32, values)
+            qx[r, :, b] = values
 
 
 @_compiled()
