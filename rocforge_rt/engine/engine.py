@@ -31,7 +31,13 @@ from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.step.batch import SequencePart, StepBatch
 from rocforge_rt.step.forward import ForwardOps, StepOutput, forward, upload_weights
-from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
+from rocforge_rt.step.sampling import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    RowSampling,
+    Sampler,
+    SamplingParams,
+)
 
 # Prompt tokens per forward pass. Each chunk expands every weight matrix to fp16 once for
 # the vendor GEMM, so longer chunks amortize that: on an H100, a 2048-token prompt took
@@ -39,8 +45,6 @@ from rocforge_rt.step.sampling import RowSampling, Sampler, SamplingParams
 # (README.md, "Measured"). A daemon's decode streams wait for one chunk at most.
 DEFAULT_PREFILL_CHUNK = 2048
 INT32_MAX = (1 << 31) - 1  # the device reads top_k as int32
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # temperature and top_p: float32, normal
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 T = TypeVar("T")  # what pack_step schedules: sessions, or the daemon's jobs

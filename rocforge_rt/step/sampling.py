@@ -8,8 +8,7 @@ in numpy (the CPU backend runs it, the GPU tests compare kernels/sampling.hip to
   tokens of the context, prompt included (`recent`): each token seen there c times has
   its logit x divided by repetition_penalty (multiplied, when x <= 0) and kept within
   float32's finite range, then x - (c * frequency_penalty + presence_penalty), in float32
-  in that order. Everything
-  below, log-probabilities included, sees the penalized logits.
+  in that order. Everything below, log-probabilities included, sees the penalized logits.
 - Greedy (temperature 0, or top_k 1): the argmax, lowest index among equal maxima.
 - Otherwise tokens are ranked by logit, then by index (lower first). The candidates
   are the top_k best (all when top_k is 0). Each candidate weighs
@@ -42,7 +41,11 @@ WEIGHT_SCALE = np.float32(2.0**40)  # weights are exp(...) in (0, 1] times this,
 MAX_LOGPROBS = 20
 PENALTY_WINDOW = 64  # recent tokens the penalties count (llama.cpp's penalty_last_n default)
 MAX_FREQUENCY_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
-FLOAT32_MAX = np.finfo(np.float32).max
+# The penalties' values that change nothing (SamplingParams and ROW_PARAMS_DTYPE names).
+NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+# float32's smallest normal and largest numbers: a step holds sampling values as float32.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -100,11 +103,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether any penalty changes the logits."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return any(getattr(self, name) != value for name, value in NEUTRAL_PENALTIES.items())
 
 
 @dataclass(frozen=True)
@@ -186,14 +185,8 @@ class RowSampling:
     @property
     def penalized(self) -> bool:
         """Whether any row's logits are penalized before it picks."""
-        p = self.params
-        return bool(
-            np.any(
-                (p["repetition_penalty"] != 1)
-                | (p["frequency_penalty"] != 0)
-                | (p["presence_penalty"] != 0)
-            )
-        )
+        return any(bool(np.any(self.params[name] != value))
+                   for name, value in NEUTRAL_PENALTIES.items())  # fmt: skip
 
     def advanced(self, tokens: np.ndarray, positions: np.ndarray) -> "RowSampling":
         """The rows of the next decode step, whose input `tokens` sit at `positions`."""
@@ -242,7 +235,7 @@ def penalize(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> 
     v = x[ids]
     rep = np.float32(params.repetition_penalty)
     with np.errstate(over="ignore"):  # a tiny penalty: clamped to the largest float32
-        v = np.clip(np.where(v <= 0, v * rep, v / rep), -FLOAT32_MAX, FLOAT32_MAX)
+        v = np.clip(np.where(v <= 0, v * rep, v / rep), -FLOAT32_MAX, FLOAT32_MAX, dtype=np.float32)
     per_count = counts.astype(np.float32) * np.float32(params.frequency_penalty)
     x[ids] = v - (per_count + np.float32(params.presence_penalty))
     return x
