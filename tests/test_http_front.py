@@ -492,8 +492,14 @@ def test_each_request_logs_a_line(url: str, model: str, caplog) -> None:
     caplog.set_level(logging.INFO, logger="rocforge.http")
     post(url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2})
     post(url, "/v1/completions", {"model": "nope", "prompt": PROMPT})
-    lines = [r.fields for r in caplog.records if "status" in getattr(r, "fields", {})]
-    done, refused = lines[-2:]
+
+    def lines() -> list[dict]:
+        return [r.fields for r in caplog.records if "status" in getattr(r, "fields", {})]
+
+    # the front logs a request once its response is sent: the client may see it first, and
+    # the two lines may come in either order
+    wait_for(lambda: len(lines()) >= 2)
+    done, refused = sorted(lines()[-2:], key=lambda fields: fields["status"])
     assert (done["method"], done["path"], done["status"]) == ("POST", "/v1/completions", 200)
     assert done["completion_tokens"] == 2 and done["prompt_tokens"] > 0
     assert done["finish_reason"] == "length" and done["duration_ms"] > 0
