@@ -117,6 +117,60 @@ def test_the_compiled_matmul_is_the_numpy_canonical_sum_bit_for_bit(n_out, n_in,
         assert np.array_equal(bits(got), bits(q8_matmul_reference(x, matrix))), rows
 
 
+def block_matrix(rng, n_out, n_in, nibbles):
+    """A BlockMatrix of random quant bytes (every nibble, or int8 from -128) and scales; the
+    bytes and scales it was built from."""
+    n_blocks = n_in // 32
+    if nibbles:
+        quants = rng.integers(0, 256, (n_out, 16, n_blocks), dtype=np.uint8)
+    else:
+        quants = rng.integers(-128, 128, (n_out, 32, n_blocks), dtype=np.int8)
+    scales = rng.random((n_out, n_blocks), dtype=np.float32)
+    return BlockMatrix(quants, scales), quants, scales
+
+
+@pytest.mark.parametrize("nibbles", [True, False])
+@pytest.mark.parametrize(("n_out", "n_in"), [(1, 32), (63, 96), (64, 64), (65, 160), (130, 96)])
+def test_a_tiled_matrix_gives_back_each_rows_integers_and_scales(n_out, n_in, nibbles):
+    """BlockMatrix holds its rows in tiles of LANES (the last one narrower); `integers` reads
+    any rows back: element j of a Q4_0 block is byte j's low nibble - 8, element j + 16 its
+    high nibble - 8; an int8 block's element j is byte j."""
+    rng = np.random.default_rng(n_out * n_in)
+    matrix, quants, scales = block_matrix(rng, n_out, n_in, nibbles)
+    assert matrix.nbytes == quants.nbytes + scales.nbytes
+    if nibbles:
+        low, high = (quants & 15).astype(np.int8) - 8, (quants >> 4).astype(np.int8) - 8
+        quants = np.concatenate([low, high], axis=1)
+    ids = rng.permutation(n_out)
+    ints, row_scales = matrix.integers(ids)
+    assert np.array_equal(ints, quants[ids].transpose(0, 2, 1))
+    assert np.array_equal(row_scales, scales[ids])
+
+
+@pytest.mark.parametrize("nibbles", [True, False])
+@pytest.mark.parametrize(("n_out", "n_in"), [(1, 32), (63, 96), (64, 64), (65, 160), (130, 96)])
+def test_the_tiled_kernels_are_the_canonical_sum_whatever_the_tiles_width(n_out, n_in, nibbles):
+    """q8_q4_matmul and q8_q8_matmul (up to 8 rows: decode) against q8_matmul_reference, bit
+    for bit: tiles of LANES rows and a narrower last one, odd block counts (a last stage of
+    one block), one to eight rows, and the integer extremes (activations of +-127 against
+    Q4_0's -8 or int8's -128: block dots of -32512, at int16's edge)."""
+    rng = np.random.default_rng(n_out + n_in)
+    matrix = block_matrix(rng, n_out, n_in, nibbles)[0]
+    n_blocks = n_in // 32
+    if nibbles:  # every integer -8
+        lowest, low = np.zeros((n_out, 16, n_blocks), np.uint8), -8
+    else:
+        lowest, low = np.full((n_out, 32, n_blocks), -128, np.int8), -128
+    extreme = BlockMatrix(lowest, np.ones((n_out, n_blocks), np.float32))
+    for rows in (1, 2, 3, 8):
+        x = rng.standard_normal((rows, n_in)).astype(np.float32)
+        x[0] = np.float32(1.5)  # every integer 127 (d_x = 1.5 / 127)
+        for m in (matrix, extreme):
+            assert np.array_equal(bits(q8_matmul(x, m)), bits(q8_matmul_reference(x, m))), rows
+        expected = 1.5 * 32 * low * n_blocks
+        assert np.allclose(q8_matmul(x[:1], extreme), expected, rtol=1e-6, atol=0)
+
+
 def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():
     rng = np.random.default_rng(6)
     parts = [weight(rng, 64, 96, Q.Q4_0), weight(rng, 32, 96, Q.Q8_0)]

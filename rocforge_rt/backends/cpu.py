@@ -35,11 +35,11 @@ from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
 from rocforge_rt.backends.cpu_kernels import (
-    DECODE_ROWS,
+    LANES,
     q8_matmul_rows,
     q8_q4_matmul,
     q8_q8_matmul,
-    q8_rows_elements,
+    q8_rows_blocks,
     q8_rows_inner,
 )
 from rocforge_rt.errors import BackendError
@@ -70,21 +70,29 @@ def dequantize(tensor: WeightTensor) -> np.ndarray:
 class BlockMatrix:
     """A Q4_0/Q8_0 matrix [n_out, n_in] kept quantized: its blocks' packed quants and scales.
 
-    `quants` is, per output row, the file's quant bytes element-major (byte j of every block
-    side by side, the compiled kernel's layout): Q4_0 uint8 [n_out, 16, n_blocks] (element j
-    in the low nibble of byte j, j + 16 in the high; the integer is nibble - 8), Q8_0 int8
-    [n_out, 32, n_blocks]. `scales` [n_out, n_blocks] is the f16 scales as float32;
-    value = scale * integer, exactly. Rows of tensors of both types
-    stacked in one matrix are all kept as int8 (`nibbles` False). `dense` (and `.T`, so that
-    `x @ m.T` works as for an array) is the float32 matrix, built on first use: the
-    float32 reference mode's (`activations="f32"`) and the tests'.
+    Built from the file's quant bytes per output row element-major (byte j of every block
+    side by side): Q4_0 uint8 [n_out, 16, n_blocks] (element j in the low nibble of byte j,
+    j + 16 in the high; the integer is nibble - 8), Q8_0 int8 [n_out, 32, n_blocks]; and
+    the f16 scales as float32 [n_out, n_blocks]; value = scale * integer, exactly. Rows of
+    tensors of both types stacked in one matrix are all kept as int8 (`nibbles` False).
+
+    Held tiled, the compiled kernels' layout (`cpu_kernels`): the rows in tiles of LANES (the
+    last one narrower), a tile block by block, a block as the pairs of its bytes (bytes 2k
+    and 2k + 1: a 16-bit word) of every row of the tile side by side. `quants` is those
+    bytes, flat (the file's quant bytes, in that order), `words` the same memory as uint16
+    (Q4_0) or int16 words; `scales` is flat as well, [n_blocks, width] a tile. `integers`
+    reads rows back. `dense` (and `.T`, so that `x @ m.T` works as for an array) is the
+    float32 matrix, built on first use: the float32 reference mode's (`activations="f32"`)
+    and the tests'.
     """
 
     def __init__(self, quants: np.ndarray, scales: np.ndarray) -> None:
-        self.quants = quants
-        self.scales = scales
+        n_out, per_block, n_blocks = quants.shape
         self.nibbles = quants.dtype == np.uint8
-        self.shape = (quants.shape[0], quants.shape[2] * Q8_BLOCK)
+        self.shape = (n_out, n_blocks * Q8_BLOCK)
+        self.quants = _tiled(quants.reshape(n_out, per_block // 2, 2, n_blocks))
+        self.scales = _tiled(scales.reshape(n_out, 1, 1, n_blocks).astype(np.float32))
+        self.words = self.quants.view(np.uint16 if self.nibbles else np.int16)
 
     @property
     def nbytes(self) -> int:
@@ -101,11 +109,26 @@ class BlockMatrix:
         quants = np.concatenate([p[0] for p in parts], axis=0)
         return cls(quants, np.concatenate([p[1] for p in parts], axis=0))
 
+    def integers(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows `ids` of the matrix: their integers int8 [len(ids), n_blocks, 32] and scales
+        [len(ids), n_blocks]."""
+        n_out, n_blocks = self.shape[0], self.shape[1] // Q8_BLOCK
+        per_block = self.quants.size // (n_out * n_blocks)  # bytes a block: 16 or 32
+        first = ids - ids % LANES  # each row's tile: its first row, its width; the row's lane
+        width, lane = np.minimum(LANES, n_out - first)[:, None, None], (ids - first)[:, None, None]
+        block, byte = np.ogrid[:n_blocks, :per_block]  # byte j is in word j // 2
+        tile = first[:, None, None] * n_blocks
+        quants = self.quants[
+            tile * per_block + (block * per_block + byte - byte % 2) * width + 2 * lane + byte % 2
+        ]
+        scales = self.scales[tile[..., 0] + np.arange(n_blocks) * width[..., 0] + lane[..., 0]]
+        return _as_int8(quants, axis=-1), scales
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of the matrix as float32 [len(ids), n_in] (an embedding lookup); only
         those rows are dequantized."""
-        ints = _as_int8(self.quants[ids], axis=1).transpose(0, 2, 1)  # [len(ids), blocks, 32]
-        values = ints.astype(np.float32) * self.scales[ids][..., None]
+        ints, scales = self.integers(ids)
+        values = ints.astype(np.float32) * scales[..., None]
         return values.reshape(len(ids), self.shape[1])
 
     @cached_property
@@ -119,6 +142,13 @@ class BlockMatrix:
 
 def is_block_quantized(tensor: WeightTensor) -> bool:
     return tensor.ggml_type in _BLOCK_BYTES
+
+
+def _tiled(values: np.ndarray) -> np.ndarray:
+    """values [n_out, pairs, 2, n_blocks] (a matrix's bytes, or its scales as [n_out, 1, 1,
+    n_blocks]) tiled, flat: tiles of LANES rows, each [n_blocks, pairs, width, 2]."""
+    starts = range(0, len(values), LANES)
+    return np.concatenate([values[i : i + LANES].transpose(3, 1, 0, 2).ravel() for i in starts])
 
 
 def _block_quants(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
@@ -226,12 +256,11 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
         q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
         q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
         return out
-    ints = np.int16 if rows <= DECODE_ROWS else np.float32  # the kernels' two ways
-    q = np.empty((rows, Q8_BLOCK, n_blocks), dtype=ints)  # element-major, as the weights
+    q = np.empty((rows, n_blocks, Q8_BLOCK), dtype=np.int16)
     scale_x = np.empty((rows, n_blocks), dtype=np.float32)
-    q8_rows_elements(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
+    q8_rows_blocks(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
-    kernel(q, scale_x, weight.quants, weight.scales, out)
+    kernel(q, scale_x, weight.words, weight.scales, out)
     return out
 
 
@@ -241,16 +270,16 @@ def compile_kernels() -> None:
     x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
         matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))
-        for rows in (1, DECODE_ROWS + 1, _KERNEL_ROWS + 1):
+        for rows in (1, _KERNEL_ROWS + 1):
             q8_matmul(x[:rows], matrix)
 
 
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     """`q8_matmul` in numpy: the canonical arithmetic written out (`_q8_fold`), for tests."""
     q, scale_x = q8_blocks(x)
-    ints = _as_int8(weight.quants, axis=1).transpose(0, 2, 1).astype(np.float32)  # [o, b, 32]
-    dots = np.einsum("rbi,obi->bro", q, ints)  # integers below 2^24: exact in any order
-    return _q8_fold(dots, scale_x, weight.scales.T)
+    ints, scale_w = weight.integers(np.arange(weight.shape[0]))  # [o, b, 32], [o, b]
+    dots = np.einsum("rbi,obi->bro", q, ints.astype(np.float32))  # exact in any order
+    return _q8_fold(dots, scale_x, scale_w.T)
 
 
 def _q8_fold(dots: np.ndarray, scale_x: np.ndarray, scale_w: np.ndarray) -> np.ndarray:
