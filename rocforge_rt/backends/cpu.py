@@ -361,6 +361,7 @@ class CpuBackend:
         self.k_cache = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.v_cache = [np.zeros(shape_v, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
+        self._groups: tuple[StepBatch, list] | None = None  # _slot_groups' step and groups
 
     def device_info(self) -> dict[str, object]:
         # Row-independent matmuls: a token's logits do not depend on the rows beside it.
@@ -485,23 +486,39 @@ class CpuBackend:
         n_kv, group = hp.n_head_kv, hp.gqa_group
         out = np.empty((q.shape[0], hp.n_head, hp.head_dim_v), dtype=np.float32)
         scale = np.float32(1.0 / np.sqrt(hp.head_dim_k))
-        for slot in np.unique(batch.slots):
-            rows = np.flatnonzero(batch.slots == slot)
-            positions = batch.positions[rows]
-            length = int(positions.max()) + 1
+        for slot, rows, length, future in self._slot_groups(batch):
             keys = singles(self.k_cache[layer][slot, :length]).transpose(1, 2, 0)
             values = singles(self.v_cache[layer][slot, :length]).transpose(1, 0, 2)
             # [Hkv, T * G, D]: each KV head's query heads, token-major
             grouped = q[rows].reshape(len(rows), n_kv, group, hp.head_dim_k).transpose(1, 0, 2, 3)
             scores = np.matmul(grouped.reshape(n_kv, len(rows) * group, -1), keys) * scale
-            future = np.arange(length)[None, :] > positions[:, None]  # [T, L]
-            scores[:, np.repeat(future, group, axis=0)] = -np.inf
+            if future is not None:
+                scores[:, future] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             weights = np.exp(scores, out=scores)
             weights /= weights.sum(axis=-1, keepdims=True)
             mixed = np.matmul(weights, values).reshape(n_kv, len(rows), group, hp.head_dim_v)
             out[rows] = mixed.transpose(1, 0, 2, 3).reshape(len(rows), hp.n_head, hp.head_dim_v)
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
+
+    def _slot_groups(
+        self, batch: StepBatch
+    ) -> list[tuple[int, np.ndarray, int, np.ndarray | None]]:
+        """Per slot of the batch: its rows, the cache length they attend to, and the mask of
+        the positions past each row's own ([T * group, length], None where there are none: a
+        decode row); worked out once a step, for every layer's attention."""
+        if self._groups is not None and self._groups[0] is batch:
+            return self._groups[1]
+        groups = []
+        for slot in np.unique(batch.slots):
+            rows = np.flatnonzero(batch.slots == slot)
+            positions = batch.positions[rows]
+            length = int(positions.max()) + 1
+            future = np.arange(length)[None, :] > positions[:, None]  # [T, L]
+            mask = np.repeat(future, self.hparams.gqa_group, axis=0) if future.any() else None
+            groups.append((int(slot), rows, length, mask))
+        self._groups = (batch, groups)
+        return groups
 
     def matmul_add(self, x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
         return residual + self._matmul(x, weight)
