@@ -1,9 +1,10 @@
 """The CPU backend's compiled elementwise kernels are numpy's arithmetic, bit for bit."""
 
 import numpy as np
+import pytest
 
-from rocforge_rt.backends.cpu import singles
-from rocforge_rt.backends.cpu_kernels import rope_rows
+from rocforge_rt.backends.cpu import rms_normalize, singles
+from rocforge_rt.backends.cpu_kernels import rms_norm_rows, rope_rows
 
 
 def test_float16_to_float32_is_numpys_astype_for_every_half():
@@ -32,3 +33,18 @@ def test_rope_rotates_adjacent_pairs_as_numpy_does_and_copies_the_rest():
     expected[..., 0 : 2 * pairs : 2] = even * c - odd * s
     expected[..., 1 : 2 * pairs : 2] = even * s + odd * c
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9])
+@pytest.mark.parametrize("n", [5, 64, 100, 576, 960, 2048, 5120, 8192])
+def test_rms_norm_is_numpys_bit_for_bit(rows, n):
+    """rms_norm_rows against rms_normalize (numpy's pairwise float32 mean included), on
+    lengths below 8, within one pairwise block (128), and split into several, at scales
+    from 1e-3 to 1e3."""
+    rng = np.random.default_rng(rows * n)
+    gain = rng.uniform(0.5, 2, n).astype(np.float32)
+    for scale in (1e-3, 1.0, 1e3):
+        x = (rng.standard_normal((rows, n)) * scale).astype(np.float32)
+        got = np.empty_like(x)
+        rms_norm_rows(x, gain, 1e-5, got)
+        assert np.array_equal(got.view(np.uint32), rms_normalize(x, gain, 1e-5).view(np.uint32))

@@ -42,6 +42,7 @@ from rocforge_rt.backends.cpu_kernels import (
     q8_q8_matmul,
     q8_rows_blocks,
     q8_rows_inner,
+    rms_norm_rows,
     rope_rows,
 )
 from rocforge_rt.errors import BackendError
@@ -215,7 +216,8 @@ def physical_cores() -> int:
 
 
 def rms_normalize(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
-    """x / rms(x) * gain over the last axis."""
+    """x / rms(x) * gain over the last axis (the backend's steps take it compiled,
+    `cpu_kernels.rms_norm_rows`, bit for bit)."""
     mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
     return x * (1.0 / np.sqrt(mean_square + eps)) * gain
 
@@ -455,7 +457,11 @@ class CpuBackend:
         return rowwise_matmul(quantize_q8(x), weight)
 
     def norm_matmul(self, x: np.ndarray, norm: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        return self._matmul(rms_normalize(x, norm, self.hparams.rms_eps), weight)
+        """The matmul of x normalized: `rms_normalize`'s float32 arithmetic, compiled
+        (`rms_norm_rows`; x and the gain are float32 here)."""
+        normed = np.empty(x.shape, dtype=np.float32)
+        rms_norm_rows(x, norm, self.hparams.rms_eps, normed)
+        return self._matmul(normed, weight)
 
     def norm_qkv_rope(
         self, x: np.ndarray, norm: np.ndarray, weight: np.ndarray, layer: int, batch: StepBatch

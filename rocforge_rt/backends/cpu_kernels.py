@@ -303,3 +303,71 @@ def halves_to_singles(halves, out):  # pragma: no cover - compiled
         if h & 0x7C00 == 0:
             value = np.float32(h & 0x3FF) * np.float32(2.0**-24)
             out[i] = -value if h & 0x8000 else value
+
+
+@_compiled()
+def _block_sum(a, start, n):  # pragma: no cover - compiled
+    """numpy's float32 sum of up to 128 values a[start : start + n] (a leaf of its pairwise
+    summation): under 8 one by one; else 8 interleaved sums, combined as ((0 + 1) + (2 + 3))
+    + ((4 + 5) + (6 + 7)), then the rest one by one."""
+    if n < 8:
+        total = np.float32(0.0)
+        for i in range(start, start + n):
+            total += a[i]
+        return total
+    r0, r1, r2, r3 = a[start], a[start + 1], a[start + 2], a[start + 3]
+    r4, r5, r6, r7 = a[start + 4], a[start + 5], a[start + 6], a[start + 7]
+    end = start + n - n % 8
+    for i in range(start + 8, end, 8):
+        r0, r1, r2, r3 = r0 + a[i], r1 + a[i + 1], r2 + a[i + 2], r3 + a[i + 3]
+        r4, r5, r6, r7 = r4 + a[i + 4], r5 + a[i + 5], r6 + a[i + 6], r7 + a[i + 7]
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for i in range(end, start + n):
+        total += a[i]
+    return total
+
+
+@_compiled()
+def _pairwise_sum(a):  # pragma: no cover - compiled
+    """numpy's float32 sum of a (`add.reduce`'s pairwise summation, in its order): over 128
+    values, the sum of its two halves' sums (the first half a multiple of 8 long), down to
+    `_block_sum`s. Numpy's recursion walked with a stack of frames (numba cannot load a
+    self-recursive function from its cache): a frame's length, and its left half's sum
+    once that is done."""
+    starts = np.empty(64, dtype=np.int64)
+    lengths = np.empty(64, dtype=np.int64)
+    lefts = np.empty(64, dtype=np.float32)
+    done = np.zeros(64, dtype=np.bool_)  # whether the frame's left half is summed
+    depth, starts[0], lengths[0] = 0, 0, a.shape[0]
+    while True:
+        while lengths[depth] > 128:  # down the left halves
+            half = lengths[depth] // 2 - lengths[depth] // 2 % 8
+            depth += 1
+            starts[depth], lengths[depth], done[depth] = starts[depth - 1], half, False
+        total = _block_sum(a, starts[depth], lengths[depth])
+        while depth > 0 and done[depth - 1]:  # a right half: its frame's sum is complete
+            depth -= 1
+            total = lefts[depth] + total
+        if depth == 0:
+            return total
+        parent = depth - 1  # a left half: on to the right one
+        half = lengths[depth]
+        lefts[parent], done[parent] = total, True
+        starts[depth], lengths[depth] = starts[parent] + half, lengths[parent] - half
+        done[depth] = False
+
+
+@_compiled()
+def rms_norm_rows(x, gain, eps, out):  # pragma: no cover - compiled
+    """out = `cpu.rms_normalize(x, gain, eps)` for float32 x [rows, n] and gain [n], numpy's
+    operations in numpy's order: mean = pairwise sum of x * x / n, r = 1 / sqrt(mean + eps),
+    out = x * r * gain, each rounded to float32."""
+    rows, n = x.shape
+    squares = np.empty(n, dtype=np.float32)
+    for row in range(rows):
+        for i in range(n):
+            squares[i] = x[row, i] * x[row, i]
+        mean = _pairwise_sum(squares) / np.float32(n)
+        scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+        for i in range(n):
+            out[row, i] = (x[row, i] * scale) * gain[i]
