@@ -40,7 +40,6 @@ from rocforge_rt.backends.cpu_kernels import (
     q8_matmul_rows,
     q8_q4_matmul,
     q8_q8_matmul,
-    q8_rows_blocks,
     q8_rows_inner,
     rms_norm_rows,
     rope_rows,
@@ -260,11 +259,8 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
         q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
         q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
         return out
-    q = np.empty((rows, n_blocks, Q8_BLOCK), dtype=np.int16)
-    scale_x = np.empty((rows, n_blocks), dtype=np.float32)
-    q8_rows_blocks(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
-    kernel(q, scale_x, weight.words, weight.scales, out)
+    kernel(np.ascontiguousarray(x, dtype=np.float32), weight.words, weight.scales, out)
     return out
 
 
