@@ -282,15 +282,17 @@ def test_the_kernels_compile_uncached_where_numba_has_nowhere_to_cache():
 
 
 def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
-    """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel the matmul
-    may take (a row at a time, a prompt chunk's rows at once; Q4_0 and int8 layouts) is
-    compiled."""
+    """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel a step
+    takes (the matmul of the Q4_0 and int8 layouts, RMSNorm, RoPE of one row and of a
+    chunk's strided rows, float16 to float32) is compiled."""
     from rocforge_rt.backends import cpu_kernels
 
     CpuBackend(hparams(), 1, 1, threads=1).warm_up()
     for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
         assert kernel.signatures
-    assert len(cpu_kernels.q8_matmul_rows.signatures) >= 2
+    for kernel in (cpu_kernels.rms_norm_rows, cpu_kernels.halves_to_singles):
+        assert kernel.signatures
+    assert len(cpu_kernels.rope_rows.signatures) >= 2
 
 
 def test_importing_rocforge_rt_before_numpy_shortens_openblas_spinning_unless_told_otherwise():

@@ -37,10 +37,8 @@ from threadpoolctl import threadpool_limits
 from rocforge_rt.backends.cpu_kernels import (
     LANES,
     halves_to_singles,
-    q8_matmul_rows,
     q8_q4_matmul,
     q8_q8_matmul,
-    q8_rows_inner,
     rms_norm_rows,
     rope_rows,
 )
@@ -53,9 +51,6 @@ from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32  # elements per quant block; the canonical sum takes them in stages of two
-# How q8_matmul walks a call (not its results: every way applies the same operations to
-# each output): up to this many rows the row-at-a-time kernels, beyond it q8_matmul_rows.
-_KERNEL_ROWS = 8
 
 # GGUF block layouts: bytes per block (an f16 scale, then the quants).
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
@@ -251,27 +246,27 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     Row-independent: each output is its own activation row's and weight row's float32
     operations, in a fixed order, whatever the rows around it and the threads.
     """
-    rows, n_blocks = x.shape[0], x.shape[1] // Q8_BLOCK
-    out = np.empty((rows, weight.shape[0]), dtype=np.float32)
-    if rows > _KERNEL_ROWS:  # a prompt chunk: quantized rows innermost
-        q = np.empty((n_blocks, Q8_BLOCK, rows), dtype=np.float32)
-        scale_x = np.empty((n_blocks, rows), dtype=np.float32)
-        q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
-        q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
-        return out
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
     kernel(np.ascontiguousarray(x, dtype=np.float32), weight.words, weight.scales, out)
     return out
 
 
 def compile_kernels() -> None:
-    """Compile (or load from numba's cache) every kernel q8_matmul calls: both weight layouts,
-    both ways (a row at a time, a prompt chunk's rows at once)."""
-    x = np.ones((_KERNEL_ROWS + 1, Q8_BLOCK), dtype=np.float32)
+    """Compile (or load from numba's cache) the kernels a step takes, for the argument types
+    it gives them: the matmul of both weight layouts, RMSNorm (its gain read-only, as a
+    model file's), RoPE (of one row, and of a chunk's rows: strided), float16 to float32."""
+    x = np.ones((1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
-        matrix = BlockMatrix(packed, np.ones((1, 1), dtype=np.float32))
-        for rows in (1, _KERNEL_ROWS + 1):
-            q8_matmul(x[:rows], matrix)
+        q8_matmul(x, BlockMatrix(packed, np.ones((1, 1), dtype=np.float32)))
+    gain = np.ones(Q8_BLOCK, dtype=np.float32)
+    gain.flags.writeable = False
+    rms_norm_rows(x, gain, 1e-5, np.empty_like(x))
+    qkv, table = np.ones((2, 3, 2), dtype=np.float32), np.ones((1, 1), dtype=np.float32)
+    for rows in (qkv[:1, :2], qkv[:, :2]):
+        positions = np.zeros(len(rows), dtype=np.int32)
+        rope_rows(rows, positions, table, table, np.empty(rows.shape, dtype=np.float32))
+    singles(np.zeros(1, dtype=np.float16))
 
 
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
@@ -415,8 +410,8 @@ class CpuBackend:
         )
 
     def warm_up(self) -> None:
-        """Compile the matmul kernels now (the daemon's warm-up, before `ready`), not on the
-        first prompt long enough to take the BLAS way."""
+        """Compile the kernels now (the daemon's warm-up, before `ready`), not on the first
+        step."""
         numba.set_num_threads(self.threads)
         compile_kernels()
 

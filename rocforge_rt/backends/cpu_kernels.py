@@ -1,9 +1,8 @@
 """The CPU backend's compiled kernels, in numba: the matmul of int8 activations and Q4_0/Q8_0
-weights; and a decode step's elementwise passes (RoPE, the KV pool's float16 to float32),
-numpy's arithmetic bit for bit without its per-call overhead: SmolLM2 decode 81.0 -> 88.5
-tok/s on one thread (A/B in one process, the same tokens).
+weights; and a step's elementwise passes (RMSNorm, RoPE, the KV pool's float16 to float32),
+numpy's arithmetic bit for bit without its per-call overhead.
 
-Every output is the float32 arithmetic of `cpu._q8_fold`, in its order (the GPU's
+Every matmul output is the float32 arithmetic of `cpu._q8_fold`, in its order (the GPU's
 canonical sum, `kernels/rf_q8.h`): per block the exact integer dot of the activation's and
 the weight's integers; the scale d = d_x * d_w in float32; per stage of two blocks
 s = fma(d_1, dot_1, d_0 * dot_0), the fused multiply-add taken through float64 as `cpu._fma`
@@ -11,26 +10,20 @@ does (d * dot is exact there, so the sum is rounded once: to float32); the stage
 left to right in float32. `fastmath=False`: LLVM keeps every float operation as written
 (no reassociation, no contraction).
 
-The block dots are exact integers. A few rows (`q8_q4_matmul`, `q8_q8_matmul`, decode)
-take the weights tiled (`cpu.BlockMatrix`): LANES output rows side by side, so that one
-vector operation advances a block's dot of every row of the tile (the loops over lanes are
-independent sums, which LLVM vectorizes without reordering any), in int16 (Q4_0) or int32,
-and the fold advances the tile's outputs as vectors too (`_fold_lanes`), block by block in
-the canonical order. Against the element-major layout before it (blocks side by side per
-row, a row's dots in int16 or int32, then folded one output at a time): a 3072 x 576 Q4_0
-call 355 -> 72 us, the 49152 x 576 Q8_0 output head 7,950 -> 1,400 us (one thread), and
-SmolLM2 decode 26.2 -> 77.9 tok/s on one thread (A/B in one process, the same tokens).
-Sixty-four lanes: with 32 LLVM vectorizes the loops by 128 and runs them in 8-lane
-remainders (355 -> 163 us against 86 us); a tile's words are 16-bit, a Q4_0 word four
-nibbles of one row, so that a vector shift and mask unpack the same element of every lane.
-
-A prompt chunk's rows (`q8_matmul_rows`) go the other way round: activations row-major
-innermost ([n_blocks, 32, rows]), so that one weight integer multiplies every row's at once
-and every loop over rows is independent sums (vectorized), _TILE weight rows at a time
-(each activation value read once for them). Same operations, same order, per output; its
-block dots may be contracted to fused multiply-adds (`fastmath={"contract"}`: products
-and sums of integers below 2^24, exact either way), its fold (`_fold_block`, compiled
-apart) is not: a 128-token SmolLM2 prefill 467 -> 439 ms (A/B in one process, 2 cores).
+The weights are tiled (`cpu.BlockMatrix`): LANES output rows side by side, so that one
+vector operation advances a block's dot of every row of a tile (the loops over lanes are
+independent sums, which LLVM vectorizes without reordering any), exactly in int16 (Q4_0)
+or int32, and the fold advances the tile's outputs as vectors too (`_fold_lanes`), block
+by block in the canonical order. A tile's words are 16-bit, a Q4_0 word four nibbles of
+one row, so that a vector shift and mask unpack the same element of every lane. Against
+the element-major layout before it (a row's blocks side by side, its dots in int16 or
+int32, folded one output at a time): a 3072 x 576 Q4_0 call 355 -> 72 us, the 49152 x 576
+Q8_0 output head 7,950 -> 1,400 us, SmolLM2 decode 26.2 -> 77.9 tok/s (one thread; A/B in
+one process, the same tokens). Sixty-four lanes: with 32, LLVM's vectorized loop (by 128)
+never runs and the lanes go 8 at a time (163 against 86 us). Every row count takes these
+kernels, a prompt chunk's as well: against a kernel of its own (rows innermost, float32
+block dots, four weight rows a pass) a 128-row 3072 x 576 call 10.8 -> 8.0 ms and a
+128-token SmolLM2 prefill 765 -> 537 ms (one thread, A/B in one process).
 
 The parallel loops run over tiles of output rows, and an output's value depends only
 on its own activation row and weight row: the result is the same whatever the rows beside
@@ -49,27 +42,28 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-LANES = 64  # weight rows a few rows' kernels take side by side (a tile: the vector lanes)
-_TILE = 4  # weight rows a prompt chunk's iteration takes together (unrolled in q8_matmul_rows)
+LANES = 64  # weight rows the matmul takes side by side (a tile: the vector lanes)
 
 
-def _compiled(fastmath: bool | set[str] = False, **options: Any) -> Callable[..., Any]:
-    """njit(cache=True, fastmath=fastmath, **options), or uncached where numba has no cache
+def _compiled(**options: Any) -> Callable[..., Any]:
+    """njit(cache=True, fastmath=False, **options), or uncached where numba has no cache
     directory it can write."""
 
     def decorate(function: Callable[..., Any]) -> Any:
         try:
-            return njit(cache=True, fastmath=fastmath, **options)(function)
+            return njit(cache=True, fastmath=False, **options)(function)
         except RuntimeError:  # "cannot cache function ...: no locator available"
-            return njit(cache=False, fastmath=fastmath, **options)(function)
+            return njit(cache=False, fastmath=False, **options)(function)
 
     return decorate
 
 
-def _fold_block_py(b, n_blocks, d, scales, dots, stage, total):  # pragma: no cover - compiled
-    """Block b of the canonical sum for a vector of outputs at once (lane i: dots[i], the
-    block's integer dot, weighed by d * scales[i], d the scale every lane shares); stage
-    and total hold the lanes' running stage and total."""
+@_compiled(inline="always")
+def _fold_lanes(b, n_blocks, d, scales, dots, stage, total):  # pragma: no cover - compiled
+    """Block b of the canonical sum for a tile's outputs at once (lane i: dots[i], the
+    block's integer dot, weighed by d * scales[i], d the activation's scale); stage and
+    total hold the lanes' running stage and total. Inlined into the kernels (numba IR,
+    fastmath=False as they are): 72 vs 81 us a 3072 x 576 Q4_0 call compiled apart."""
     lanes = dots.shape[0]
     if b % 2 == 0:
         for i in range(lanes):
@@ -81,12 +75,6 @@ def _fold_block_py(b, n_blocks, d, scales, dots, stage, total):  # pragma: no co
     if b % 2 == 1 or b == n_blocks - 1:  # the stage is complete
         for i in range(lanes):
             total[i] = stage[i] if b < 2 else total[i] + stage[i]
-
-
-# Compiled apart for the prompt chunk's kernel (whose own operations may be contracted),
-# inlined into the tile kernels (fastmath=False as well): 72 vs 81 us a 3072 x 576 Q4_0 call.
-_fold_block = _compiled()(_fold_block_py)
-_fold_lanes = _compiled(inline="always")(_fold_block_py)
 
 
 @_compiled(inline="always")
@@ -155,7 +143,7 @@ def _q8_rows(x):  # pragma: no cover - compiled
 
 @_compiled(parallel=True)
 def q8_q4_matmul(x, words, scales, out):  # pragma: no cover - compiled
-    """out[r, o] for a few rows x (float32 [rows, k]), quantized to int8 per block first
+    """out[r, o] for rows x (float32 [rows, k]), quantized to int8 per block first
     (`_q8_rows`, in the same call: 15 -> 14 us a 576 x 576 call), times tiled Q4_0 weights
     (`cpu.BlockMatrix`: uint16 words, `_nibble_dot`). A tile's LANES outputs advance
     together (lane i = output row first + i: one vector op takes a word of every lane), a
@@ -204,74 +192,6 @@ def q8_q8_matmul(x, words, scales, out):  # pragma: no cover - compiled
                         dots[i] += _pair_dot(tile[b, k, i], x, k)
                 _fold_lanes(b, n_blocks, sx[r, b], d_w[b], dots, stage, total)
             out[r, first : first + width] = total
-
-
-@_compiled(parallel=True)
-def q8_rows_inner(x, qx, sx):  # pragma: no cover - compiled
-    """`cpu.q8_blocks` of x [rows, k] (float32), rows innermost, for q8_matmul_rows: the
-    integers into qx [k / 32, 32, rows] (float32), the scales into sx [k / 32, rows]."""
-    for b in prange(qx.shape[0]):
-        values = np.empty(32, dtype=np.float32)
-        for r in range(qx.shape[2]):
-            sx[b, r] = _q8_block(x, r, b * 32, values)
-            qx[b, :, r] = values
-
-
-@_compiled()
-def _weight_pair(quants, block, width, per_block, j, t, tile):  # pragma: no cover - compiled
-    """The integers of elements j and j + 16 of a block of row t of a tile's rows (0, 0 where
-    t >= tile: past the last row), as float32, from a tiled matrix's bytes (`cpu.BlockMatrix`;
-    the block's word 0 of that row at `block`, the tile `width` rows wide): Q4_0 nibbles
-    (per_block 16: byte j holds elements j and j + 16) or int8 (32: byte j is element j)."""
-    if t >= tile:
-        return np.float32(0.0), np.float32(0.0)
-    row = block + 2 * t
-    if per_block == 16:
-        byte = np.int32(quants[row + (j - j % 2) * width + j % 2])
-        return np.float32((byte & 15) - 8), np.float32((byte >> 4) - 8)
-    high = j + 16  # in word j / 2 + 8
-    return (
-        np.float32(quants[row + (j - j % 2) * width + j % 2]),
-        np.float32(quants[row + (high - high % 2) * width + high % 2]),
-    )
-
-
-@_compiled(fastmath={"contract"}, parallel=True)
-def q8_matmul_rows(qx, sx, quants, scales, out):  # pragma: no cover - compiled
-    """out[r, o] for a prompt chunk: int8 activations qx (float32 integers [n_blocks, 32,
-    rows], rows innermost) with scales sx [n_blocks, rows], times tiled Q4_0 or int8 weights
-    (`_weight_pair`) with their scales; _TILE weight rows a pass."""
-    n_blocks, _, rows = qx.shape
-    n_out = out.shape[1]
-    per_block = quants.shape[0] // (n_out * n_blocks)  # bytes: 16 (Q4_0) or 32 (int8)
-    for c in prange((n_out + _TILE - 1) // _TILE):
-        o = c * _TILE
-        tile = min(_TILE, n_out - o)
-        first = o - o % LANES  # rows o .. o + tile - 1 lie in one tile of the tiled matrix
-        width = min(LANES, n_out - first)
-        dots = np.empty((_TILE, rows), dtype=np.float32)
-        stage = np.empty((_TILE, rows), dtype=np.float32)
-        total = np.empty((_TILE, rows), dtype=np.float32)
-        for b in range(n_blocks):
-            block = (first * n_blocks + b * width) * per_block + 2 * (o - first)
-            dots[:, :] = 0
-            for j in range(16):
-                l0, h0 = _weight_pair(quants, block, width, per_block, j, 0, tile)
-                l1, h1 = _weight_pair(quants, block, width, per_block, j, 1, tile)
-                l2, h2 = _weight_pair(quants, block, width, per_block, j, 2, tile)
-                l3, h3 = _weight_pair(quants, block, width, per_block, j, 3, tile)
-                for r in range(rows):
-                    xl, xh = qx[b, j, r], qx[b, j + 16, r]
-                    dots[0, r] = dots[0, r] + xl * l0 + xh * h0
-                    dots[1, r] = dots[1, r] + xl * l1 + xh * h1
-                    dots[2, r] = dots[2, r] + xl * l2 + xh * h2
-                    dots[3, r] = dots[3, r] + xl * l3 + xh * h3
-            d_w = scales[first * n_blocks + b * width + o - first :]
-            for t in range(tile):
-                _fold_block(b, n_blocks, d_w[t], sx[b], dots[t], stage[t], total[t])
-        for t in range(tile):
-            for r in range(rows):
-                out[r, o + t] = total[t, r]
 
 
 @_compiled()
