@@ -130,7 +130,11 @@ class BlockMatrix:
 
     @cached_property
     def dense(self) -> np.ndarray:
-        return self.rows(np.arange(self.shape[0]))
+        # 4096 rows at a time: `integers` builds an int64 index per byte it reads
+        ids = np.arange(self.shape[0])
+        return np.concatenate(
+            [self.rows(ids[i : i + 64 * LANES]) for i in range(0, len(ids), 64 * LANES)]
+        )
 
     @property
     def T(self) -> np.ndarray:  # noqa: N802 - numpy's name
@@ -301,7 +305,7 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.nda
 
 def singles(halves: np.ndarray) -> np.ndarray:
     """A contiguous float16 array as float32, exactly (`astype`), by a compiled loop
-    (`halves_to_singles`): a decode step's KV conversions ~22 -> ~3 us a call."""
+    (`halves_to_singles`): 19 -> 6 us for 64 positions of 3 x 64 (a SmolLM2 layer's keys)."""
     out = np.empty(halves.shape, dtype=np.float32)
     halves_to_singles(halves.reshape(-1).view(np.uint16), out.reshape(-1))
     return out
