@@ -194,7 +194,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows of x as int8 per 32-element block: the integers [rows, n_blocks, 32] (float32)
-    and the scales d [rows, n_blocks]; d = amax / 127, q = round(x / d).
+    and the kept scales [rows, n_blocks]: q = round(x / d) with d = amax / 127, the scale
+    kept being `kept_scales(d)`.
 
     Rounds half away from zero (C's roundf), as the GPU kernels and llama.cpp do.
     """
@@ -202,7 +203,14 @@ def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.abs(blocks).max(axis=-1) / np.float32(127)
     q = blocks / np.where(scale > 0, scale, np.float32(1))[..., None]
     q += np.copysign(np.float32(0.5), q)
-    return np.trunc(q, out=q), scale
+    return np.trunc(q, out=q), kept_scales(scale)
+
+
+def kept_scales(scale: np.ndarray) -> np.ndarray:
+    """Block scales as the dot products use them: rounded to the nearest fp16 (even on a
+    tie), saturating at its largest finite value, as llama.cpp keeps its q8 blocks' (and
+    kernels/rf_q8.h, rf_q8_kept_scale); float32."""
+    return np.minimum(scale, np.finfo(np.float16).max).astype(np.float16).astype(np.float32)
 
 
 def quantize_q8(x: np.ndarray) -> np.ndarray:
@@ -224,14 +232,14 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
         q = np.empty((n_blocks, Q8_BLOCK, rows), dtype=np.float32)
         scale_x = np.empty((n_blocks, rows), dtype=np.float32)
         q8_rows_inner(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
-        q8_matmul_rows(q, scale_x, weight.quants, weight.scales, out)
+        q8_matmul_rows(q, kept_scales(scale_x), weight.quants, weight.scales, out)
         return out
     ints = np.int16 if rows <= DECODE_ROWS else np.float32  # the kernels' two ways
     q = np.empty((rows, Q8_BLOCK, n_blocks), dtype=ints)  # element-major, as the weights
     scale_x = np.empty((rows, n_blocks), dtype=np.float32)
     q8_rows_elements(np.ascontiguousarray(x, dtype=np.float32), q, scale_x)
     kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
-    kernel(q, scale_x, weight.quants, weight.scales, out)
+    kernel(q, kept_scales(scale_x), weight.quants, weight.scales, out)
     return out
 
 
