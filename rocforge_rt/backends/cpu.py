@@ -34,6 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
+from rocforge_rt.backends.cpu_attention import attend
 from rocforge_rt.backends.cpu_kernels import (
     DECODE_ROWS,
     q8_matmul_rows,
@@ -457,29 +458,23 @@ class CpuBackend:
     def attention(self, q: np.ndarray, layer: int, batch: StepBatch) -> np.ndarray:
         """Causal grouped-query attention of each token over its own slot's cache.
 
-        A slot's rows are computed together (as BLAS products per KV head), apart from the
-        other slots': a session's attention does not depend on who else is in the batch.
+        Each row by the compiled kernel (`cpu_attention.attend`): its own operations, in one
+        order, whether it is decoded alone, batched with other sessions or in a prompt chunk.
         """
         hp = self.hparams
-        n_kv, group = hp.n_head_kv, hp.gqa_group
         out = np.empty((q.shape[0], hp.n_head, hp.head_dim_v), dtype=np.float32)
         scale = np.float32(1.0 / np.sqrt(hp.head_dim_k))
         for slot in np.unique(batch.slots):
             rows = np.flatnonzero(batch.slots == slot)
             positions = batch.positions[rows]
             length = int(positions.max()) + 1
-            keys = self.k_cache[layer][slot, :length].astype(np.float32).transpose(1, 2, 0)
-            values = self.v_cache[layer][slot, :length].astype(np.float32).transpose(1, 0, 2)
-            # [Hkv, T * G, D]: each KV head's query heads, token-major
-            grouped = q[rows].reshape(len(rows), n_kv, group, hp.head_dim_k).transpose(1, 0, 2, 3)
-            scores = np.matmul(grouped.reshape(n_kv, len(rows) * group, -1), keys) * scale
-            future = np.arange(length)[None, :] > positions[:, None]  # [T, L]
-            scores[:, np.repeat(future, group, axis=0)] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            weights = np.exp(scores, out=scores)
-            weights /= weights.sum(axis=-1, keepdims=True)
-            mixed = np.matmul(weights, values).reshape(n_kv, len(rows), group, hp.head_dim_v)
-            out[rows] = mixed.transpose(1, 0, 2, 3).reshape(len(rows), hp.n_head, hp.head_dim_v)
+            keys = self.k_cache[layer][slot, :length].transpose(1, 2, 0)  # [Hkv, D, L]
+            values = self.v_cache[layer][slot, :length].astype(np.float32)  # [L, Hkv, D]
+            mixed = np.empty((len(rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
+            queries = q[rows].reshape(len(rows), hp.n_head, hp.head_dim_k)
+            keys = np.ascontiguousarray(keys, dtype=np.float32)
+            attend(queries, keys, values, positions.astype(np.int64), scale, mixed)
+            out[rows] = mixed
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
 
     def matmul_add(self, x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
