@@ -1,7 +1,7 @@
 """The package's imports point down its layers and never form a cycle.
 
-Layers, bottom to top: errors -> model -> step -> profiling -> backends -> engine ->
-server -> cli. A module may import its own layer and the layers below it; every
+Layers, bottom to top: errors -> dirs -> model -> step -> profiling -> backends -> engine
+-> server -> cli. A module may import its own layer and the layers below it; every
 import statement counts, module level or inside a function.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = "rocforge_rt"
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("errors", "model", "step", "profiling", "backends", "engine", "server", "cli")
+LAYERS = ("errors", "dirs", "model", "step", "profiling", "backends", "engine", "server", "cli")
 
 
 def module_name(path: Path) -> str:
