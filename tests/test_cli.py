@@ -102,7 +102,7 @@ def test_a_bind_port_outside_1_to_65535_is_refused(tiny_model, port):
 
 @pytest.mark.parametrize("port", ["0", "*"])
 def test_a_bind_to_any_free_port_still_serves(tiny_model, port):
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
     from rocforge_rt.server.config import DaemonConfig
     from rocforge_rt.server.daemon import Daemon
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from clients.rocforge_client import (
+from rocforge_client import (
     ERRORS,
     Busy,
     Client,

@@ -482,7 +482,7 @@ def test_real_smollm2_converts_to_a_loadable_q4_0_model(source_gguf: Path, tmp_p
 def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
     q4_k_m_model: Path, tmp_path: Path
 ) -> None:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
     from rocforge_rt.server.config import DaemonConfig
     from rocforge_rt.server.daemon import Daemon
 

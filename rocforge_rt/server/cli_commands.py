@@ -133,7 +133,7 @@ def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:
 
 # --- client -----------------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> Any:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
 
     return connect(args.addr, curve_keys=args.curve_keys, timeout=args.timeout)
 
@@ -143,7 +143,7 @@ def _reporting_client_errors(command: Callable[[argparse.Namespace], int]) -> Ca
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from clients.rocforge_client import ClientError
+        from rocforge_client import ClientError
 
         try:
             return command(args)
@@ -215,7 +215,7 @@ def _cmd_client_stats(args: argparse.Namespace) -> int:
 
 @_reporting_client_errors
 def _cmd_client_health(args: argparse.Namespace) -> int:
-    from clients.rocforge_client import ClientError, Timeout
+    from rocforge_client import ClientError, Timeout
 
     with _client(args) as client:
         try:
@@ -408,7 +408,7 @@ class LocalDaemon:
             self.stop()
 
     def start(self) -> None:
-        from clients.rocforge_client import Timeout, connect
+        from rocforge_client import Timeout, connect
 
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this checkout
         path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
@@ -438,7 +438,7 @@ class LocalDaemon:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
 
     model = _default_model(args.model)
     serve_args = [
