@@ -94,10 +94,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_default(args: argparse.Namespace) -> int:
-    from rocforge_rt.model.default_model import MODELS_DIR, ensure_default_model
+    from rocforge_rt.model.default_model import ensure_default_model
 
-    models_dir = Path(args.models_dir) if args.models_dir else MODELS_DIR
-    print(ensure_default_model(models_dir))
+    print(ensure_default_model(Path(args.models_dir) if args.models_dir else None))
     return 0
 
 
