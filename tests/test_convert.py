@@ -571,7 +571,7 @@ def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
 
     refused = rocforge("generate", "--model", str(q4_k_m_model), "--prompt", "x",
                        "--backend", "cpu")  # fmt: skip
-    assert refused.returncode == 2
+    assert refused.returncode == 1
     assert "found Q6_K" in refused.stderr and "rocforge convert" in refused.stderr
 
     out = tmp_path / "converted.gguf"
@@ -597,12 +597,12 @@ def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
     assert replies[-1].usage["completion_tokens"] == 4
 
 
-def test_convert_refuses_a_source_it_cannot_read_with_exit_2_and_writes_nothing(
+def test_convert_refuses_a_source_it_cannot_read_with_exit_1_and_writes_nothing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     src = retyped(tiny_model, tmp_path / "src.gguf", Q.F16, arch="qwen2")
     done = rocforge("convert", str(src), str(tmp_path / "out.gguf"))
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "expected 'llama', found 'qwen2'" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]
