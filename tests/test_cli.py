@@ -239,6 +239,9 @@ def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_defaul
 
 
 # --- conventions ---------------------------------------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
 def all_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """(command line, parser) of `rocforge` and of each of its subcommands, depth first."""
     from rocforge_rt.cli import build_parser
@@ -365,7 +368,7 @@ def test_a_bad_rocforge_variable_is_a_usage_error_naming_it(variable, value, sai
     assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
-def test_serve_help_names_every_rocforge_variable(capsys) -> None:
+def test_serve_help_and_the_readme_name_every_rocforge_variable(capsys) -> None:
     from rocforge_rt.cli import main
 
     with pytest.raises(SystemExit):
@@ -375,8 +378,10 @@ def test_serve_help_names_every_rocforge_variable(capsys) -> None:
     variables = [getattr(a, "environment_variable", None) for a in serve._actions]
     variables = [variable for variable in variables if variable]
     assert len(variables) == len(serve._actions) - 2  # all but --help and --http-api-key
+    readme = README.read_text()
     for variable in variables:
         assert f"[env: {variable}]" in shown
+        assert f"`{variable}`" in readme, f"README.md does not list {variable}"
 
 
 def test_exit_status_is_0_1_2_or_130(tmp_path, monkeypatch, capsys) -> None:
