@@ -27,8 +27,8 @@ The parallel loops run over chunks of output rows, and an output's value depends
 on its own activation row and weight row: the result is the same whatever the rows beside
 it and whatever the thread count.
 
-Compiled on first use and cached on disk (`cache=True`: in the package's __pycache__, or,
-where that is read-only, numba's user-wide cache directory; NUMBA_CACHE_DIR overrides).
+Compiled on first use and cached on disk (`cache=True`: in NUMBA_CACHE_DIR, which
+rocforge_rt/__init__.py points at the cache folder's numba/ unless the user set it).
 Where numba finds no writable place at all it refuses `cache=True` when the function is
 decorated (a RuntimeError at import): `_compiled` then takes the kernels uncached, compiled
 on every start.
