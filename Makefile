@@ -27,7 +27,7 @@ run: model
 test: venv
 	bash scripts/install_hip_sdk.sh
 	$(BIN)/rocforge models default
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -rfE
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

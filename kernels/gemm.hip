@@ -135,7 +135,7 @@ RF_DEVICE_INLINE void rf_quantize_q8(const float* RF_RESTRICT x, int k, const fl
         packed |= ((uint32_t)q & 0xFFu) << (8 * i);
     }
     if (live) {
-        Layout::store(xq, xd, row, k, b, slot, packed, d);
+        Layout::store(xq, xd, row, k, b, slot, packed, rf_q8_kept_scale(d));
     }
 }
 

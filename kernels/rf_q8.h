@@ -4,7 +4,9 @@
 //
 // Activations are RMS-normalized (optionally, with a gain g: y = x * inv_rms * g,
 // inv_rms = 1 / sqrtf(sum(x^2) / k + eps)) and quantized per 32-element block:
-// d = amax / 127, q = roundf(y / d) (half away from zero), d kept in f32.
+// d = amax / 127, q = roundf(y / d) (half away from zero), and d kept rounded to fp16
+// (rf_q8_kept_scale), as llama.cpp keeps its q8 blocks' scales: a row's block dots are
+// then llama.cpp's to the last bit.
 //
 // Canonical sum of one output over the blocks b of a row:
 //   stage s holds blocks RF_Q8_STAGE * s .. RF_Q8_STAGE * s + RF_Q8_STAGE - 1 (those < n_blocks);
@@ -74,6 +76,12 @@ RF_DEVICE_INLINE float rf_q8_scale(float amax) {
 
 RF_DEVICE_INLINE int rf_q8_round(float v, float amax, float d) {
     return amax == 0.0f ? 0 : (int)roundf(v / d);
+}
+
+// The scale a block keeps for its dot products: d rounded to the nearest fp16 (even on a
+// tie), saturating at fp16's largest finite value.
+RF_DEVICE_INLINE float rf_q8_kept_scale(float d) {
+    return rf_half_to_float(rf_float_to_half(fminf(d, 65504.0f)));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -163,7 +171,7 @@ RF_DEVICE_INLINE void rf_quantize4(rf_q8_f32x4 v, bool active, int t, int col,
         int8_t* half = e < 16 ? rows.lo : rows.hi;
         *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
         if (e == 0) {
-            rows.meta[blk].d = d;
+            rows.meta[blk].d = rf_q8_kept_scale(d);
             rows.meta[blk].sum = sum;
         }
     }

@@ -2,6 +2,8 @@
 
 import os
 
+from rocforge_rt.dirs import point_numba_cache
+
 # OpenBLAS's idle workers spin for 2^28 cycles (~0.1 s) after each call by default. The CPU
 # backend alternates BLAS (attention) with numba's matmul, so they held a core the matmul
 # needed: on 2 cores, 2^4 cycles made a 128-token SmolLM2 prefill 990 -> 450 ms and decode
@@ -9,5 +11,8 @@ import os
 # rocforge_rt is imported before numpy (the CLI, the daemon, the scripts); a value in the
 # environment wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# numba caches the CPU kernels in the user cache folder (rocforge_rt/dirs.py), not beside the
+# package (site-packages, where installed); NUMBA_CACHE_DIR in the environment wins.
+point_numba_cache()
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the distribution's version (pyproject.toml reads it)

@@ -1,29 +1,68 @@
-"""The `rocforge` command: generate, convert, models (and the serving commands: serve, client,
-keys, demo, http)."""
+"""The `rocforge` command: generate, convert, models, kernels (and the serving commands:
+serve, client, trace, keys, demo, http)."""
 
 import argparse
+import importlib.metadata
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rocforge_rt.backends import BACKEND_NAMES
-from rocforge_rt.errors import RocforgeError
+import rocforge_rt
+from rocforge_rt.backends import BACKEND_NAMES, KERNEL_TARGETS
+from rocforge_rt.dirs import cache_dir, downloads_dir, models_dir
+from rocforge_rt.errors import BackendError, EngineError, UsageError
 from rocforge_rt.server.cli_commands import (
+    BACKEND_HELP,
     BATCH_INVARIANT_HELP,
+    MODEL_HELP,
     THREADS_HELP,
     add_generation_options,
+    add_location_options,
     add_server_commands,
+    export_locations,
     sampling_options,
     thread_count,
 )
+from rocforge_rt.server.command_line import Parser, run
 from rocforge_rt.server.http.command import add_http_command
 
 MIN_CTX_SIZE = 2  # a prompt token and a generated one
+DESCRIPTION = """\
+Run GGUF Q4_0 llama-family models on a CUDA or HIP GPU, or on the CPU: generate text,
+convert models, serve them over ZeroMQ and an OpenAI-compatible HTTP API."""
 
 
-class CommandError(RocforgeError):
+class CommandError(UsageError):
     """A command cannot run with these arguments (the message says why and what to do)."""
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own on a bare PYTHONPATH)."""
+    try:
+        return importlib.metadata.version("rocforge-rt")
+    except importlib.metadata.PackageNotFoundError:
+        return rocforge_rt.__version__
+
+
+def _epilog() -> str:
+    return f"""\
+files:
+  models     {models_dir()}
+             ($ROCFORGE_MODELS_DIR, --models-dir)
+  downloads  {downloads_dir()}
+             (the default model's source)
+  cache      {cache_dir()}
+             ($ROCFORGE_CACHE_DIR, --cache-dir): compiled kernels, numba's cache
+
+environment:
+  serve reads each option the command line does not give from ROCFORGE_<OPTION>
+  (ROCFORGE_BIND, ROCFORGE_CTX_SIZE, ...: see `rocforge serve --help`);
+  ROCFORGE_API_KEY is the HTTP API's key (serve --http, http)
+
+exit status:
+  0 success, 1 error, 2 usage error, 130 interrupted"""
 
 
 def _ctx_size(text: str) -> int:
@@ -43,7 +82,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rocforge_rt.model.gguf_file import load_model_file
     from rocforge_rt.step.sampling import SamplingParams
 
-    sampling = SamplingParams(**sampling_options(args))  # a bad value: before the model loads
+    try:
+        sampling = SamplingParams(**sampling_options(args))  # a bad value: before the model loads
+    except EngineError as exc:
+        raise CommandError(exc.message) from None
     model_path = Path(args.model) if args.model else ensure_default_model()
     model = load_model_file(model_path)
     if model.metadata.get("tokenizer.ggml.model") == "none":
@@ -94,24 +136,67 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_default(args: argparse.Namespace) -> int:
-    from rocforge_rt.model.default_model import MODELS_DIR, ensure_default_model
+    from rocforge_rt.model.default_model import ensure_default_model
 
-    models_dir = Path(args.models_dir) if args.models_dir else MODELS_DIR
-    print(ensure_default_model(models_dir))
+    print(ensure_default_model(progress=not args.quiet))
+    return 0
+
+
+def _cmd_kernels_check(args: argparse.Namespace) -> int:
+    """Compile every kernel source for each target whose compiler is installed."""
+    from rocforge_rt.backends import kernel_compiler
+    from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
+
+    print(f"kernel sources: {kernels_dir()}")
+    checked = 0
+    for target in args.target or KERNEL_TARGETS:
+        try:
+            compiler = kernel_compiler(target)
+        except ValueError as exc:
+            raise CommandError(f"--target {target}: {exc}") from None
+        except BackendError as exc:
+            if args.target:  # asked for by name: it must compile
+                raise
+            print(f"{target}: skipped, no compiler: {exc}")
+            continue
+        library = KernelLibrary(compiler)
+        started = time.perf_counter()
+        objects = library.load_all()  # KernelCompileError: the compiler's log, exit 1
+        kernels = sum(len(code.kernels) for code in objects.values())
+        print(
+            f"{target}: {len(objects)} sources, {kernels} kernels ({library.compiles} compiled,"
+            f" {library.cache_hits} cached) in {time.perf_counter() - started:.1f} s"
+            f" [{compiler.version}]"
+        )
+        checked += 1
+    if not checked:
+        raise BackendError(
+            "no kernel compiler found: pip install 'rocforge-rt[cuda]' (NVRTC) or"
+            " 'rocforge-rt[hip]' (hiprtc, with the HIP libraries under $ROCM_PATH)"
+        )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rocforge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="rocforge", description=DESCRIPTION, epilog=_epilog())
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {version()} from {Path(rocforge_rt.__file__).parent}"
+        f" (Python {sys.version.split()[0]})",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt (text to stdout)")
-    gen.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
+    gen.add_argument("--model", metavar="PATH", help=MODEL_HELP)
     add_generation_options(gen)
-    gen.add_argument("--ctx-size", type=_ctx_size, default=2048, help="tokens (>= 2)")
+    gen.add_argument(
+        "--ctx-size", type=_ctx_size, default=2048, metavar="N", help="context tokens (>= 2)"
+    )
     gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
-    gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    gen.add_argument("--threads", type=thread_count, help=THREADS_HELP)
+    gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
+    gen.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)
+    add_location_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
     conv = sub.add_parser(
@@ -119,33 +204,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="requantize a llama GGUF (any type gguf.quants reads: K-quants, Q8_0, F16, ...)"
         " to the runtime's Q4_0 layout; prints the requantization error per type",
     )
-    conv.add_argument("input")
-    conv.add_argument("output")
+    conv.add_argument("input", help="the GGUF to convert")
+    conv.add_argument("output", help="the Q4_0 GGUF to write (replaced only once complete)")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.add_argument("--json", action="store_true", help="also print the report as JSON (stdout)")
     conv.set_defaults(func=_cmd_convert)
 
     models = sub.add_parser("models", help="manage models")
-    models_sub = models.add_subparsers(dest="models_command", required=True)
-    default = models_sub.add_parser("default", help="build the default model (idempotent)")
-    default.add_argument("--models-dir", help="folder for the converted model")
+    models_sub = models.add_subparsers(
+        dest="models_command", required=True, title="commands", metavar="COMMAND"
+    )
+    default = models_sub.add_parser(
+        "default",
+        help="build the default model in the models folder and print its path (idempotent)",
+    )
+    default.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_location_options(default)
     default.set_defaults(func=_cmd_models_default)
 
-    add_server_commands(sub)  # serve, client, keys, demo
+    kernels = sub.add_parser("kernels", help="the GPU kernels: check that they compile")
+    kernels_sub = kernels.add_subparsers(
+        dest="kernels_command", required=True, title="commands", metavar="COMMAND"
+    )
+    check = kernels_sub.add_parser(
+        "check",
+        help="compile every kernel source for each target whose compiler (NVRTC, hiprtc) is"
+        " installed; no GPU needed",
+    )
+    check.add_argument(
+        "--target",
+        action="append",
+        metavar="ARCH",
+        help="a target that must compile, e.g. sm_90, gfx90a (repeatable) (default: each of"
+        f" {', '.join(KERNEL_TARGETS)} that has a compiler)",
+    )
+    add_location_options(check, models=False)
+    check.set_defaults(func=_cmd_kernels_check)
+
+    add_server_commands(sub)  # serve, client, trace, keys, demo
     add_http_command(sub)  # http: the OpenAI-compatible front (server/http/)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    """Run `rocforge`; the exit status (0, 1, 2, 130) as server/command_line.py says."""
+
+    def command() -> int:
+        args = build_parser().parse_args(argv)
+        export_locations(args)
         return args.func(args)
-    except RocforgeError as exc:
-        print(f"rocforge: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("rocforge: interrupted", file=sys.stderr)
-        return 130
+
+    return run(command, "rocforge")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ class RocforgeError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class UsageError(RocforgeError):
+    """The command line cannot work as given: an option's value out of range, a malformed
+    address, a refused combination. The CLI exits 2 for it, as for argparse's own errors;
+    1 for any other RocforgeError."""
+
+
 class ModelFormatError(RocforgeError):
     """A GGUF file is unreadable or does not describe a model this runtime can run.
 

@@ -35,7 +35,7 @@ import httpx
 from bench_serve import StreamFailed, drive_streams, summarize
 from bench_ttft import against_daemon, token_prompt, write_report
 
-from clients.rocforge_client import ClientError, connect
+from rocforge_client import ClientError, connect
 from rocforge_rt.engine.workloads import positive_ints
 from rocforge_rt.server.cli_commands import free_loopback_port
 from rocforge_rt.server.config import ServerError

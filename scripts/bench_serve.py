@@ -72,7 +72,7 @@ from typing import Any
 import zmq
 from bench_ttft import against_daemon, daemon_view, token_prompt, write_report
 
-from clients.rocforge_client import Client, ClientError, TokenReply, connect, raise_for_error
+from rocforge_client import Client, ClientError, TokenReply, connect, raise_for_error
 from rocforge_rt.engine.engine import Engine, pack_step
 from rocforge_rt.engine.session import Session
 from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench, positive_ints

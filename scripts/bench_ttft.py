@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from clients.rocforge_client import Client, connect
+from rocforge_client import Client, connect
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.cli_commands import LocalDaemon
 

@@ -1,13 +1,32 @@
 """Shared fixtures: the default model (built on first use) and its source GGUF, synthetic
-models, the GPU driver; and the root logger as each test found it."""
+models, the GPU driver; the root logger as each test found it; and the skips summed up by
+reason at the end of the run."""
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rocforge_rt.model.default_model import source_gguf_path
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """A skip's reason, first line only, without pytest's "Skipped: " prefix."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ").splitlines()[0]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The skipped tests counted by reason, one line each (`make test` reports failures and
+    errors only, -rfE: -rs would give a line per skipping test's location)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or "s" in terminalreporter.reportchars:
+        return
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, count in Counter(map(_skip_reason, skipped)).most_common():
+        terminalreporter.write_line(f"{count:5d}  {reason[:110]}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,16 @@
-"""The `rocforge` command: generated text on stdout, figures on stderr, clear errors."""
+"""The `rocforge` command: generated text on stdout, figures on stderr, clear errors; its
+conventions: --version, help with defaults, the prompt from stdin or a file, serve's options
+from ROCFORGE_* variables, exit status 0 ok, 1 error, 2 usage error, 130 interrupted."""
 
+import argparse
+import io
+import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -53,8 +61,7 @@ def test_a_broken_model_file_is_a_clear_error_not_a_traceback(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(64))
     done = rocforge("generate", "--model", str(bad), "--prompt", "x", "--backend", "cpu")
-    assert done.returncode == 2
-    assert str(bad) in done.stderr and "Traceback" not in done.stderr
+    assert_refused(done, str(bad), status=1)
 
 
 def test_an_unknown_backend_is_refused_by_the_parser():
@@ -62,9 +69,9 @@ def test_an_unknown_backend_is_refused_by_the_parser():
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
-# --- bad input: a message on stderr and exit 2, never a traceback ------------------------------
-def assert_refused(done: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert done.returncode == 2, (done.returncode, done.stderr)
+# --- errors: a message on stderr, exit 2 for bad input (1 for a failure), never a traceback -----
+def assert_refused(done: subprocess.CompletedProcess, *fragments: str, status: int = 2) -> None:
+    assert done.returncode == status, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     for fragment in fragments:
         assert fragment in done.stderr, done.stderr
@@ -102,7 +109,7 @@ def test_a_bind_port_outside_1_to_65535_is_refused(tiny_model, port):
 
 @pytest.mark.parametrize("port", ["0", "*"])
 def test_a_bind_to_any_free_port_still_serves(tiny_model, port):
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
     from rocforge_rt.server.config import DaemonConfig
     from rocforge_rt.server.daemon import Daemon
 
@@ -119,7 +126,7 @@ def test_client_health_answers_no_daemon_within_a_few_seconds():
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     started = time.monotonic()
     done = rocforge("client", "health", "--addr", addr, timeout=30)
-    assert_refused(done, f"no daemon at {addr}")
+    assert_refused(done, f"no daemon at {addr}", status=1)
     assert time.monotonic() - started < 20
 
 
@@ -229,3 +236,231 @@ def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_defaul
     # a bad value is refused before the model loads (this one does not exist)
     assert main(["generate", "--model", "/nonexistent.gguf", "--prompt", "x", "--min-p", "2"]) == 2
     assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err
+
+
+# --- conventions ---------------------------------------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def all_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """(command line, parser) of `rocforge` and of each of its subcommands, depth first."""
+    from rocforge_rt.cli import build_parser
+
+    todo = [("rocforge", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend((f"{name} {sub}", p) for sub, p in action.choices.items())
+
+
+def option_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    return parser._get_formatter()._get_help_string(action)
+
+
+def test_version_names_the_release_and_where_it_runs_from(capsys) -> None:
+    import rocforge_rt
+    from rocforge_rt.cli import main, version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"rocforge {version()} from {Path(rocforge_rt.__file__).parent}")
+
+
+def test_every_option_has_help_and_every_value_option_its_default() -> None:
+    for name, parser in all_parsers():
+        groups = parser._mutually_exclusive_groups
+        required = {id(a) for group in groups if group.required for a in group._group_actions}
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):  # each command has its help
+                assert all(c.help for c in action._choices_actions), name
+                continue
+            assert action.help, f"`{name}` {action.option_strings or action.dest}: no help"
+            optional = not action.required and id(action) not in required
+            if action.option_strings and action.nargs != 0 and optional:  # a value, not a switch
+                assert "(default" in option_help(parser, action), (name, action.option_strings)
+
+
+def test_the_top_level_help_lists_every_command_with_what_it_does(capsys) -> None:
+    from rocforge_rt.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    commands = {name.split()[1] for name, _ in all_parsers() if name.count(" ") == 1}
+    assert commands == {"generate", "convert", "models", "kernels", "serve", "client", "trace",
+                        "keys", "demo", "http"}  # fmt: skip
+    for command in commands:
+        assert re.search(rf"^    {command}\s+\w", shown, re.M), command
+    for section in ("files:", "environment:", "exit status:", "130 interrupted"):
+        assert section in shown
+
+
+@pytest.mark.parametrize("command", [["generate"], ["client", "generate"]])
+def test_the_prompt_comes_from_the_option_stdin_or_a_file(command, tmp_path, monkeypatch, capsys):
+    from rocforge_rt.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*command, "--prompt", "as typed"]).prompt == "as typed"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin\n"))
+    assert parser.parse_args([*command, "--prompt", "-"]).prompt == "from stdin\n"
+    path = tmp_path / "prompt.txt"
+    path.write_text("from a file\nwith two lines\n", encoding="utf-8")
+    assert parser.parse_args([*command, "--prompt-file", str(path)]).prompt == path.read_text()
+    for wrong in ([], ["--prompt", "x", "--prompt-file", str(path)],
+                  ["--prompt-file", str(tmp_path / "absent.txt")]):  # fmt: skip
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*command, *wrong])
+        assert exited.value.code == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_reads_its_prompt_from_stdin(default_model):
+    done = subprocess.run(
+        [sys.executable, "-m", "rocforge_rt.cli", "generate", "--model", str(default_model),
+         "--backend", "cpu", "--prompt", "-", "--max-tokens", "2"],
+        input="The capital of France is", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "prompt_tokens=5" in done.stderr
+
+
+def test_serve_options_come_from_rocforge_variables_and_flags_win(monkeypatch) -> None:
+    from rocforge_rt.cli import build_parser
+
+    monkeypatch.setenv("ROCFORGE_CTX_SIZE", "512")
+    monkeypatch.setenv("ROCFORGE_BIND", "tcp://127.0.0.1:6000")
+    monkeypatch.setenv("ROCFORGE_BATCH_INVARIANT", "true")
+    monkeypatch.setenv("ROCFORGE_GPU_MEMORY_LIMIT", "1GiB")
+    monkeypatch.setenv("ROCFORGE_HTTP_API_KEY", "not read: ROCFORGE_API_KEY is the key")
+    serve = build_parser().parse_args(["serve"])
+    assert (serve.ctx_size, serve.bind) == (512, "tcp://127.0.0.1:6000")
+    assert serve.batch_invariant is True
+    assert serve.gpu_memory_limit == 1 << 30
+    assert serve.http_api_key is None
+    flags = build_parser().parse_args(["serve", "--ctx-size", "64", "--bind", "ipc:///tmp/x"])
+    assert (flags.ctx_size, flags.bind) == (64, "ipc:///tmp/x")
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).ctx_size == 2048  # serve's only
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("ROCFORGE_CTX_SIZE", "many", "ROCFORGE_CTX_SIZE='many': invalid literal"),
+        ("ROCFORGE_BACKEND", "tpu", "ROCFORGE_BACKEND='tpu': choose from auto, cpu, cuda, hip"),
+        ("ROCFORGE_BATCH_INVARIANT", "maybe", "expected 1 or 0"),
+        ("ROCFORGE_THREADS", "0", "ROCFORGE_THREADS='0': must be >= 1"),
+    ],
+)
+def test_a_bad_rocforge_variable_is_a_usage_error_naming_it(variable, value, said, monkeypatch,
+                                                            capsys):  # fmt: skip
+    from rocforge_rt.cli import build_parser
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve"])
+    assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_serve_help_and_the_readme_name_every_rocforge_variable(capsys) -> None:
+    from rocforge_rt.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    (serve,) = (parser for name, parser in all_parsers() if name == "rocforge serve")
+    variables = [getattr(a, "environment_variable", None) for a in serve._actions]
+    variables = [variable for variable in variables if variable]
+    assert len(variables) == len(serve._actions) - 2  # all but --help and --http-api-key
+    readme = README.read_text()
+    for variable in variables:
+        assert f"[env: {variable}]" in shown
+        assert f"`{variable}`" in readme, f"README.md does not list {variable}"
+
+
+def test_exit_status_is_0_1_2_or_130(tmp_path, monkeypatch, capsys) -> None:
+    from rocforge_rt import cli
+
+    assert cli.main(["models", "default"]) == 0
+    assert cli.main(["generate", "--model", str(tmp_path / "absent.gguf"), "--prompt", "x"]) == 1
+    assert "absent.gguf: model file" in capsys.readouterr().err  # one line, no traceback
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "--max-tokens", "x"])
+    assert exited.value.code == 2
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_models_default", interrupted)
+    assert cli.main(["models", "default"]) == 130
+    assert "rocforge: interrupted" in capsys.readouterr().err
+
+
+@pytest.fixture
+def exports_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() exports --models-dir and --cache-dir (and numba's folder): undone after the test."""
+    from rocforge_rt import dirs
+
+    for name in (dirs.MODELS_ENV, dirs.CACHE_ENV, dirs.NUMBA_CACHE_ENV):
+        monkeypatch.setenv(name, "")
+
+
+def test_the_models_and_cache_flags_reach_what_the_command_runs(
+    tmp_path, monkeypatch, exports_undone
+) -> None:
+    from rocforge_rt import cli, dirs
+
+    monkeypatch.setattr(dirs, "_USER_NUMBA_CACHE_DIR", None)
+    seen = {}
+
+    def record(args):
+        seen.update(models=dirs.models_dir(), cache=dirs.cache_dir(),
+                    numba=os.environ["NUMBA_CACHE_DIR"])  # fmt: skip
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_models_default", record)
+    folders = ["--models-dir", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "c")]
+    assert cli.main(["models", "default", *folders]) == 0
+    assert seen == {"models": tmp_path / "m", "cache": tmp_path / "c",
+                    "numba": str(tmp_path / "c" / "numba")}  # fmt: skip
+
+
+def test_kernels_check_says_what_it_skipped_and_fails_with_no_compiler(monkeypatch, capsys):
+    import rocforge_rt.backends
+    from rocforge_rt.cli import main
+    from rocforge_rt.errors import BackendError
+
+    assert main(["kernels", "check", "--target", "sm_9x"]) == 2  # no such target
+
+    def absent(target):
+        raise BackendError(f"no compiler for {target} here")
+
+    monkeypatch.setattr(rocforge_rt.backends, "kernel_compiler", absent)
+    capsys.readouterr()
+    assert main(["kernels", "check"]) == 1
+    out, err = capsys.readouterr()
+    assert "sm_90: skipped, no compiler: no compiler for sm_90 here" in out
+    assert "no kernel compiler found" in err
+    assert main(["kernels", "check", "--target", "gfx90a"]) == 1  # named: it must compile
+
+
+def test_kernels_check_compiles_every_source_for_each_target(
+    tmp_path, monkeypatch, capsys, exports_undone
+):
+    from test_kernel_abi import FakeCompiler
+
+    import rocforge_rt.backends
+    from rocforge_rt.backends.gpu.kernel_library import kernels_dir
+    from rocforge_rt.cli import main
+
+    monkeypatch.setattr(rocforge_rt.backends, "kernel_compiler", lambda target: FakeCompiler())
+    assert main(["kernels", "check", "--target", "sm_90", "--cache-dir", str(tmp_path)]) == 0
+    sources = len(list(kernels_dir().glob("*.hip")))
+    assert f"sm_90: {sources} sources" in capsys.readouterr().out
+    assert len(list((tmp_path / "kernels").iterdir())) == sources

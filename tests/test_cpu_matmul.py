@@ -56,7 +56,8 @@ def test_the_matmul_computes_the_product_of_its_activations_and_the_weights(acti
 
 
 def test_q8_outputs_are_summed_in_the_gpus_canonical_order():
-    """kernels/rf_q8.h: per block the exact integer dot, weighed by d_w * d_x; in stages of
+    """kernels/rf_q8.h: per block the exact integer dot, weighed by d_w * d_x (d_x rounded
+    to fp16 after it rounded the integers, as llama.cpp's q8 blocks keep it); in stages of
     two blocks, each added by a fused multiply-add (fmaf) to the stage sum from 0; the
     stage sums folded left to right."""
     rng = np.random.default_rng(4)
@@ -68,6 +69,7 @@ def test_q8_outputs_are_summed_in_the_gpus_canonical_order():
     d_x = np.abs(blocks).max(axis=-1) / np.float32(127)  # int8 per block, rounding half away
     scaled = blocks / d_x[..., None]
     q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int64)
+    d_x = d_x.astype(np.float16).astype(np.float32)
     d_w = np.frombuffer(tensor.data.tobytes(), np.uint8).reshape(8, 5, 18)[..., :2]
     d_w = np.ascontiguousarray(d_w).view(np.float16)[..., 0].astype(np.float32)
     w = (dequantize(tensor).reshape(8, 5, 32) / d_w[..., None]).astype(np.int64)  # nibble - 8
@@ -164,11 +166,10 @@ def test_the_tiled_kernels_are_the_canonical_sum_whatever_the_tiles_width(n_out,
     extreme = BlockMatrix(lowest, np.ones((n_out, n_blocks), np.float32))
     for rows in (1, 2, 3, 8):
         x = rng.standard_normal((rows, n_in)).astype(np.float32)
-        x[0] = np.float32(1.5)  # every integer 127 (d_x = 1.5 / 127)
+        x[0] = np.float32(127 / 128)  # every integer 127, d_x = 2^-7 (an fp16)
         for m in (matrix, extreme):
             assert np.array_equal(bits(q8_matmul(x, m)), bits(q8_matmul_reference(x, m))), rows
-        expected = 1.5 * 32 * low * n_blocks
-        assert np.allclose(q8_matmul(x[:1], extreme), expected, rtol=1e-6, atol=0)
+        assert q8_matmul(x[:1], extreme)[0, 0] == 127 * 32 * low * n_blocks / 128
 
 
 def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():

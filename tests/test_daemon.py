@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import zmq
 
-from clients.rocforge_client import (
+from rocforge_client import (
     BadRequest,
     Busy,
     ClientError,

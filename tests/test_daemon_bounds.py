@@ -12,7 +12,7 @@ import pytest
 import zmq
 from test_daemon import PROMPT, Peer, serving, slow
 
-from clients.rocforge_client import LimitExceeded, connect
+from rocforge_client import LimitExceeded, connect
 from rocforge_rt.server import backlog as backlog_module
 
 FLOOD_FRAMES = 1_000_000  # empty frames: 2 MB on the wire

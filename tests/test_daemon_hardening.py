@@ -29,7 +29,7 @@ import pytest
 import zmq
 from test_daemon import LONG_PROMPT, PROMPT, Peer, serving, slow, spawn_serve, wait_for
 
-from clients.rocforge_client import BadRequest, connect
+from rocforge_client import BadRequest, connect
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.daemon import Daemon

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_daemon import PROMPT, Peer, serving, spawn_serve
 
-from clients.rocforge_client import connect
+from rocforge_client import connect
 from rocforge_rt.server import logs
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import PROMPT, serving
 
-from clients.rocforge_client import connect
+from rocforge_client import connect
 from rocforge_rt.profiling.latency import RequestRecord
 from rocforge_rt.server.metrics import PREFIX, DaemonMetrics
 

@@ -17,7 +17,7 @@ import zmq
 from test_daemon import OTHER_PROMPT, PROMPT, Peer, serving, slow, wait_for
 from test_daemon_hardening import replies_to
 
-from clients.rocforge_client import Busy, connect
+from rocforge_client import Busy, connect
 from rocforge_rt.engine.kv_cache import SlotAllocator
 from rocforge_rt.server.cli_commands import format_stats
 from rocforge_rt.server.jobs import Job, JobBoard

@@ -11,7 +11,7 @@ import pytest
 import zmq.auth
 from test_daemon import PROMPT, Peer, serving, slow, wait_for
 
-from clients.rocforge_client import Busy, Forbidden, UnknownSession, connect
+from rocforge_client import Busy, Forbidden, UnknownSession, connect
 from rocforge_rt.server.access import Owner, new_token, operator_allowed, same_secret
 from rocforge_rt.server.protocol import ProtocolError, parse_request
 from rocforge_rt.server.security import generate_keys

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from test_daemon import PROMPT, TINY, Peer, serving, slow, wait_for
 from test_daemon_hardening import CASES, answered_as_expected, decode_steps, probe, race
 
-from clients.rocforge_client import connect
+from rocforge_client import connect
 from rocforge_rt.server import backlog as backlog_module
 from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.protocol import OPS

@@ -10,7 +10,7 @@ import openai
 import pytest
 from test_http_front import CHAT, running_front, wait_for
 
-from clients.rocforge_client import connect
+from rocforge_client import connect
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.daemon import Daemon

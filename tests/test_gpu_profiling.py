@@ -96,7 +96,7 @@ def test_a_trace_of_graph_steps_has_cpu_launches_and_the_timed_steps_kernels(eng
 
 
 def test_the_daemon_switches_profiling_on_and_serves_its_tables_and_trace(model):
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
     from rocforge_rt.server.daemon import Daemon, DaemonConfig
 
     config = DaemonConfig(model=model, backend="cuda", bind="tcp://127.0.0.1:*", ctx_size=128,

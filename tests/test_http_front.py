@@ -26,7 +26,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import spawn_serve
 
-from clients.rocforge_client import connect
+from rocforge_client import connect
 from rocforge_rt.cli import main
 from rocforge_rt.server.cli_commands import free_loopback_port
 from rocforge_rt.server.config import DaemonConfig

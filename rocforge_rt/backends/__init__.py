@@ -1,13 +1,17 @@
 """Device backends: the CPU reference and the GPU drivers behind one interface."""
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
 
+if TYPE_CHECKING:
+    from rocforge_rt.backends.gpu.kernel_library import Compiler
+
 BACKEND_NAMES = ("auto", "cpu", "cuda", "hip")
+KERNEL_TARGETS = ("sm_90", "gfx90a", "gfx1030")  # what `rocforge kernels check` builds for
 
 
 class Backend(Protocol):
@@ -90,3 +94,15 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
         driver = HipDriver()
         compiler = HiprtcCompiler(driver.info.arch, warp_size=driver.info.warp_size)
     return GpuBackend(driver, compiler, hparams, n_slots=n_slots, n_ctx=n_ctx, **options)
+
+
+def kernel_compiler(target: str) -> "Compiler":
+    """The kernel compiler of a target: NVRTC for NVIDIA's (sm_90), hiprtc for AMD's
+    (gfx90a); BackendError where it is not installed, ValueError for no such target."""
+    if target.startswith("sm_"):
+        from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
+
+        return NvrtcCompiler(target)
+    from rocforge_rt.backends.gpu.hip import HiprtcCompiler
+
+    return HiprtcCompiler(target)

@@ -34,6 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 from threadpoolctl import threadpool_limits
 
+from rocforge_rt.backends.cpu_attention import attend
 from rocforge_rt.backends.cpu_kernels import (
     LANES,
     halves_to_singles,
@@ -226,7 +227,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows of x as int8 per 32-element block: the integers [rows, n_blocks, 32] (float32)
-    and the scales d [rows, n_blocks]; d = amax / 127, q = round(x / d).
+    and the kept scales [rows, n_blocks]: q = round(x / d) with d = amax / 127, the scale
+    kept being `kept_scales(d)`.
 
     Rounds half away from zero (C's roundf), as the GPU kernels and llama.cpp do.
     """
@@ -234,7 +236,14 @@ def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.abs(blocks).max(axis=-1) / np.float32(127)
     q = blocks / np.where(scale > 0, scale, np.float32(1))[..., None]
     q += np.copysign(np.float32(0.5), q)
-    return np.trunc(q, out=q), scale
+    return np.trunc(q, out=q), kept_scales(scale)
+
+
+def kept_scales(scale: np.ndarray) -> np.ndarray:
+    """Block scales as the dot products use them: rounded to the nearest fp16 (even on a
+    tie), saturating at its largest finite value, as llama.cpp keeps its q8 blocks' (and
+    kernels/rf_q8.h, rf_q8_kept_scale); float32."""
+    return np.minimum(scale, np.finfo(np.float16).max).astype(np.float16).astype(np.float32)
 
 
 def quantize_q8(x: np.ndarray) -> np.ndarray:
@@ -358,7 +367,6 @@ class CpuBackend:
         self.k_cache = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.v_cache = [np.zeros(shape_v, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
-        self._groups: tuple[StepBatch, list] | None = None  # _slot_groups' step and groups
 
     def device_info(self) -> dict[str, object]:
         # Row-independent matmuls: a token's logits do not depend on the rows beside it.
@@ -480,46 +488,24 @@ class CpuBackend:
     def attention(self, q: np.ndarray, layer: int, batch: StepBatch) -> np.ndarray:
         """Causal grouped-query attention of each token over its own slot's cache.
 
-        A slot's rows are computed together (as BLAS products per KV head), apart from the
-        other slots': a session's attention does not depend on who else is in the batch.
+        Each row by the compiled kernel (`cpu_attention.attend`): its own operations, in one
+        order, whether it is decoded alone, batched with other sessions or in a prompt chunk.
         """
         hp = self.hparams
-        n_kv, group = hp.n_head_kv, hp.gqa_group
         out = np.empty((q.shape[0], hp.n_head, hp.head_dim_v), dtype=np.float32)
         scale = np.float32(1.0 / np.sqrt(hp.head_dim_k))
-        for slot, rows, length, future in self._slot_groups(batch):
-            keys = singles(self.k_cache[layer][slot, :length]).transpose(1, 2, 0)
-            values = singles(self.v_cache[layer][slot, :length]).transpose(1, 0, 2)
-            # [Hkv, T * G, D]: each KV head's query heads, token-major
-            grouped = q[rows].reshape(len(rows), n_kv, group, hp.head_dim_k).transpose(1, 0, 2, 3)
-            scores = np.matmul(grouped.reshape(n_kv, len(rows) * group, -1), keys) * scale
-            if future is not None:
-                scores[:, future] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            weights = np.exp(scores, out=scores)
-            weights /= weights.sum(axis=-1, keepdims=True)
-            mixed = np.matmul(weights, values).reshape(n_kv, len(rows), group, hp.head_dim_v)
-            out[rows] = mixed.transpose(1, 0, 2, 3).reshape(len(rows), hp.n_head, hp.head_dim_v)
-        return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
-
-    def _slot_groups(
-        self, batch: StepBatch
-    ) -> list[tuple[int, np.ndarray, int, np.ndarray | None]]:
-        """Per slot of the batch: its rows, the cache length they attend to, and the mask of
-        the positions past each row's own ([T * group, length], None where there are none: a
-        decode row); worked out once a step, for every layer's attention."""
-        if self._groups is not None and self._groups[0] is batch:
-            return self._groups[1]
-        groups = []
         for slot in np.unique(batch.slots):
             rows = np.flatnonzero(batch.slots == slot)
             positions = batch.positions[rows]
             length = int(positions.max()) + 1
-            future = np.arange(length)[None, :] > positions[:, None]  # [T, L]
-            mask = np.repeat(future, self.hparams.gqa_group, axis=0) if future.any() else None
-            groups.append((int(slot), rows, length, mask))
-        self._groups = (batch, groups)
-        return groups
+            keys = singles(self.k_cache[layer][slot, :length]).transpose(1, 2, 0)  # [Hkv, D, L]
+            values = singles(self.v_cache[layer][slot, :length])  # [L, Hkv, D]
+            mixed = np.empty((len(rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
+            queries = q[rows].reshape(len(rows), hp.n_head, hp.head_dim_k)
+            keys = np.ascontiguousarray(keys)
+            attend(queries, keys, values, positions.astype(np.int64), scale, mixed)
+            out[rows] = mixed
+        return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
 
     def matmul_add(self, x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
         return residual + self._matmul(x, weight)

@@ -29,13 +29,14 @@ The parallel loops run over tiles of output rows, and an output's value depends 
 on its own activation row and weight row: the result is the same whatever the rows beside
 it and whatever the thread count.
 
-Compiled on first use and cached on disk (`cache=True`: in the package's __pycache__, or,
-where that is read-only, numba's user-wide cache directory; NUMBA_CACHE_DIR overrides).
+Compiled on first use and cached on disk (`cache=True`: in NUMBA_CACHE_DIR, which
+rocforge_rt/__init__.py points at the cache folder's numba/ unless the user set it).
 Where numba finds no writable place at all it refuses `cache=True` when the function is
 decorated (a RuntimeError at import): `_compiled` then takes the kernels uncached, compiled
 on every start.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -127,16 +128,27 @@ def _q8_block(x, r, first, values):  # pragma: no cover - compiled
 
 
 @_compiled()
+def _kept_scale(d):  # pragma: no cover - compiled
+    """`cpu.kept_scales` of one scale d >= 0: d rounded to the nearest fp16 (even on a tie),
+    saturating at 65504, as float32. Rounded as a multiple of fp16's step at d's binade
+    (2^-24 at the least: its subnormals), in float64, where the quotient and the product
+    are exact (numba has no float16)."""
+    d = min(d, np.float32(65504.0))
+    step = math.ldexp(1.0, max(math.frexp(d)[1] - 11, -24))
+    return np.float32(np.rint(np.float64(d) / step) * step)
+
+
+@_compiled()
 def _q8_rows(x):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x [rows, k] (float32), for the tile kernels: the integers (int16
-    [rows, k / 32, 32]) and the scales [rows, k / 32]."""
+    [rows, k / 32, 32]) and the kept scales [rows, k / 32]."""
     rows, n_blocks = x.shape[0], x.shape[1] // 32
     qx = np.empty((rows, n_blocks, 32), dtype=np.int16)
     sx = np.empty((rows, n_blocks), dtype=np.float32)
     values = np.empty(32, dtype=np.float32)
     for r in range(rows):
         for b in range(n_blocks):
-            sx[r, b] = _q8_block(x, r, b * 32, values)
+            sx[r, b] = _kept_scale(_q8_block(x, r, b * 32, values))
             qx[r, b, :] = values
     return qx, sx
 

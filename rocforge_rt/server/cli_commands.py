@@ -1,5 +1,6 @@
 """The `rocforge` subcommands of the serving half: serve (with `--http`, the HTTP front as a
-child process: front_process.py), client, keys, demo.
+child process: front_process.py), client, trace, keys, demo; and the options the CLI's
+commands share (the prompt and sampling, the models and cache folders).
 
 `add_server_commands(sub)` registers them on the CLI's subparsers. `LocalDaemon`
 runs a daemon in a subprocess on a free loopback port (the demo and
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rocforge_rt.backends import BACKEND_NAMES
+from rocforge_rt.dirs import CACHE_ENV, MODELS_ENV, cache_dir, models_dir, point_numba_cache
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
+from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import (
     DEFAULT_BIND,
@@ -132,24 +135,30 @@ def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:
 
 
 # --- client -----------------------------------------------------------------------------------
+class ClientCommandError(RocforgeError):
+    """A client command failed: the daemon's error reply, or no reply in time."""
+
+
 def _client(args: argparse.Namespace) -> Any:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
 
     return connect(args.addr, curve_keys=args.curve_keys, timeout=args.timeout)
 
 
 def _reporting_client_errors(command: Callable[[argparse.Namespace], int]) -> Callable:
-    """A client command that prints the daemon's error (or a timeout) and exits 2."""
+    """A client command whose client errors become the CLI's: a malformed --addr a usage
+    error, any other (the daemon's error, a timeout) a ClientCommandError."""
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from clients.rocforge_client import ClientError
+        from rocforge_client import BadAddress, ClientError
 
         try:
             return command(args)
+        except BadAddress as exc:
+            raise UsageError(str(exc)) from None
         except ClientError as exc:
-            print(f"rocforge: error: {exc}", file=sys.stderr)
-            return 2
+            raise ClientCommandError(str(exc)) from None
 
     return run
 
@@ -215,7 +224,7 @@ def _cmd_client_stats(args: argparse.Namespace) -> int:
 
 @_reporting_client_errors
 def _cmd_client_health(args: argparse.Namespace) -> int:
-    from clients.rocforge_client import ClientError, Timeout
+    from rocforge_client import ClientError, Timeout
 
     with _client(args) as client:
         try:
@@ -408,7 +417,7 @@ class LocalDaemon:
             self.stop()
 
     def start(self) -> None:
-        from clients.rocforge_client import Timeout, connect
+        from rocforge_client import Timeout, connect
 
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this checkout
         path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
@@ -438,7 +447,7 @@ class LocalDaemon:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from clients.rocforge_client import connect
+    from rocforge_client import connect
 
     model = _default_model(args.model)
     serve_args = [
@@ -470,15 +479,48 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- registration -----------------------------------------------------------------------------
+def prompt_argument(text: str) -> str:
+    """--prompt: the text, or all of stdin for `-`."""
+    return sys.stdin.read() if text == "-" else text
+
+
+def prompt_file(path: str) -> str:
+    """--prompt-file: the file's text (UTF-8), as it is."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
 def add_generation_options(parser: argparse.ArgumentParser) -> None:
     """Prompt, chat and sampling options shared by `generate` and `client generate`."""
-    parser.add_argument("--prompt", required=True)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt", type=prompt_argument, metavar="TEXT", help="the prompt; - reads it from stdin"
+    )
+    prompt.add_argument(
+        "--prompt-file",
+        dest="prompt",
+        type=prompt_file,
+        metavar="PATH",
+        help="read the prompt from a file (UTF-8, as it is)",
+    )
     parser.add_argument("--chat", action="store_true", help="render the prompt as a chat turn")
-    parser.add_argument("--system", help="system message for --chat")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--system", metavar="TEXT", help="system message for --chat (default: none)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="tokens to generate at most"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within this probability mass (1: all)"
+    )
     # llama.cpp's, as rocforge_rt/step/sampling.py says
     parser.add_argument(
         "--min-p",
@@ -504,8 +546,16 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="-2 to 2: once for each token in the last 64 (0: off)",
     )
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--seed", type=int, metavar="N", help="sampling seed (default: a random one)"
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop at this text (repeatable) (default: none)",
+    )
 
 
 SAMPLING_OPTIONS = (
@@ -526,24 +576,70 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in SAMPLING_OPTIONS}
 
 
-def _client_options(parser: argparse.ArgumentParser, timeout: float = REPLY_TIMEOUT_S) -> None:
-    parser.add_argument("--addr", default=DEFAULT_ADDR, help=f"daemon address ({DEFAULT_ADDR})")
-    parser.add_argument("--curve-keys", help="folder with client.key_secret and server.key")
+def add_location_options(parser: argparse.ArgumentParser, *, models: bool = True) -> None:
+    """--models-dir (where `models` is true) and --cache-dir; `export_locations` applies them."""
+    if models:
+        parser.add_argument(
+            "--models-dir",
+            metavar="DIR",
+            help=f"the models folder, where the default model is built (default: {models_dir()};"
+            f" ${MODELS_ENV} where set)",
+        )
     parser.add_argument(
-        "--timeout", type=float, default=timeout, help=f"seconds per reply ({timeout:g})"
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache folder: compiled kernels, numba's cache, downloads outside a checkout"
+        f" (default: {cache_dir()}; ${CACHE_ENV} where set)",
+    )
+
+
+def export_locations(args: argparse.Namespace) -> None:
+    """Put --models-dir and --cache-dir in the environment (ROCFORGE_MODELS_DIR,
+    ROCFORGE_CACHE_DIR and numba's NUMBA_CACHE_DIR, unless the user set it) before the
+    command runs, so that everything it loads or starts (numba, a daemon) uses them."""
+    for option, variable in (("models_dir", MODELS_ENV), ("cache_dir", CACHE_ENV)):
+        folder = getattr(args, option, None)
+        if folder:
+            os.environ[variable] = str(Path(folder).absolute())
+    point_numba_cache()
+
+
+def _client_options(parser: argparse.ArgumentParser, timeout: float = REPLY_TIMEOUT_S) -> None:
+    parser.add_argument(
+        "--addr", default=DEFAULT_ADDR, metavar="ENDPOINT", help="the daemon's ZeroMQ address"
+    )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        help="folder with client.key_secret and server.key (default: none, plaintext)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout,
+        metavar="SECONDS",
+        help="the longest wait for each reply",
     )
 
 
 def _operator_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--operator-key", help="the daemon's --operator-key (off loopback)")
+    parser.add_argument(
+        "--operator-key",
+        metavar="KEY",
+        help="the daemon's --operator-key, needed beyond loopback (default: none)",
+    )
 
 
 def _add_trace_command(sub: Any) -> None:
     trace = sub.add_parser("trace", help="write a Chrome/Perfetto trace of recent steps")
     _client_options(trace)
     _operator_option(trace)
-    trace.add_argument("--steps", type=int, help="how many recent steps (default: all kept)")
-    trace.add_argument("--output", default="rocforge-trace.json")
+    trace.add_argument(
+        "--steps", type=int, metavar="N", help="how many recent steps (default: all it keeps)"
+    )
+    trace.add_argument(
+        "--output", default="rocforge-trace.json", metavar="PATH", help="the trace file to write"
+    )
     trace.set_defaults(func=_cmd_client_trace)
 
 
@@ -554,6 +650,8 @@ BATCH_INVARIANT_HELP = (
 
 
 THREADS_HELP = "CPU backend threads (default: the physical cores); other backends ignore it"
+MODEL_HELP = "GGUF path (default: the SmolLM2 Q4_0 default model, built on first use)"
+BACKEND_HELP = "auto: a GPU if any, else cpu"
 
 
 def thread_count(text: str) -> int:
@@ -567,30 +665,72 @@ def thread_count(text: str) -> int:
     return value
 
 
+SERVE_DESCRIPTION = f"""\
+Run the ZeroMQ daemon (and, with --http, the OpenAI-compatible HTTP API beside it).
+
+Each option may come from the environment instead: ROCFORGE_<OPTION>, the option's
+name in capitals with - as _ (--ctx-size: ROCFORGE_CTX_SIZE; a switch takes 1 or 0).
+An option on the command line wins. The HTTP API's key is ${API_KEY_ENV}."""
+
+
 def add_server_commands(sub: Any) -> None:
-    """Register serve, client, keys and demo on the `rocforge` subparsers."""
-    serve = sub.add_parser("serve", help="run the ZeroMQ daemon")
-    serve.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
-    serve.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    serve.add_argument("--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint (loopback default)")
-    serve.add_argument("--ctx-size", type=int, default=2048, help="tokens per session")
-    serve.add_argument("--max-sessions", type=int, default=4, help="sessions (KV slots)")
-    serve.add_argument("--threads", type=thread_count, help=THREADS_HELP)
+    """Register serve, client, trace, keys and demo on the `rocforge` subparsers."""
+    serve = sub.add_parser(
+        "serve",
+        help="run the ZeroMQ daemon (options also from ROCFORGE_* variables)",
+        description=SERVE_DESCRIPTION,
+        environment=True,
+        environment_skip=("http_api_key",),  # ROCFORGE_API_KEY, as `rocforge http`'s
+    )
+    serve.add_argument("--model", metavar="PATH", help=MODEL_HELP)
+    serve.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
+    serve.add_argument(
+        "--bind",
+        default=DEFAULT_BIND,
+        metavar="ENDPOINT",
+        help="ZeroMQ endpoint (beyond loopback: --curve-keys)",
+    )
+    serve.add_argument("--ctx-size", type=int, default=2048, metavar="N", help="tokens per session")
+    serve.add_argument(
+        "--max-sessions", type=int, default=4, metavar="N", help="sessions (KV slots)"
+    )
+    serve.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)
     serve.add_argument(
         "--gpu-memory-limit",
         type=parse_size,
+        metavar="SIZE",
         help="weights + KV pool budget, e.g. 8GiB (default: device memory; CPU: host RAM)",
     )
     serve.add_argument(
         "--idle-timeout",
         type=float,
         default=300.0,
+        metavar="SECONDS",
         help="seconds before an unused session is closed",
     )
-    serve.add_argument("--max-prompt-tokens", type=int, help="per turn (default: ctx size - 1)")
-    serve.add_argument("--max-new-tokens", type=int, help="per turn (default: ctx size)")
-    serve.add_argument("--max-request-bytes", type=parse_size, default=1 << 20)
-    serve.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    serve.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="per turn (default: the context size - 1)",
+    )
+    serve.add_argument(
+        "--max-new-tokens", type=int, metavar="N", help="per turn (default: the context size)"
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=1 << 20,
+        metavar="SIZE",
+        help="the largest request message, e.g. 1MiB",
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        metavar="N",
+        help="prompt tokens per forward pass",
+    )
     serve.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     serve.add_argument(
         "--no-pipelined-decode",
@@ -614,7 +754,11 @@ def add_server_commands(sub: Any) -> None:
         help="the longest a request waits for a session slot, then it gets `busy`; 0: no limit"
         f" (default: {DEFAULT_MAX_QUEUE_TIME_S:g})",
     )
-    serve.add_argument("--curve-keys", help="folder made by `rocforge keys` (needed off loopback)")
+    serve.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        help="folder made by `rocforge keys`, needed off loopback (default: none, plaintext)",
+    )
     serve.add_argument(
         "--max-sessions-per-client",
         type=int,
@@ -626,13 +770,13 @@ def add_server_commands(sub: Any) -> None:
         "--operator-key",
         metavar="KEY",
         help="needed by stats --reset, trace and profile when bound beyond loopback"
-        " (unset: refused there)",
+        " (default: none: refused there)",
     )
     serve.add_argument(
         "--http",
         metavar="HOST:PORT",
         help="also serve the OpenAI-compatible HTTP API there (a child process, started once"
-        " the daemon is ready; beyond loopback it needs --http-api-key)",
+        " the daemon is ready; beyond loopback it needs --http-api-key) (default: off)",
     )
     serve.add_argument(
         "--http-api-key",
@@ -644,17 +788,25 @@ def add_server_commands(sub: Any) -> None:
         metavar="NAME",
         help="the model's id in the HTTP API (default: the GGUF file name's stem)",
     )
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe messages logged",
+    )
     serve.add_argument(
         "--log-format",
         default="text",
         choices=LOG_FORMATS,
-        help="text lines, or one JSON object a line (default: text)",
+        help="text lines, or one JSON object a line",
     )
+    add_location_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
     client = sub.add_parser("client", help="talk to a running daemon")
-    client_sub = client.add_subparsers(dest="client_command", required=True)
+    client_sub = client.add_subparsers(
+        dest="client_command", required=True, title="commands", metavar="COMMAND"
+    )
     gen = client_sub.add_parser("generate", help="stream a generation to stdout")
     _client_options(gen)
     add_generation_options(gen)
@@ -663,7 +815,9 @@ def add_server_commands(sub: Any) -> None:
     _client_options(stats)
     _operator_option(stats)
     stats.add_argument("--reset", action="store_true", help="clear the records after reading")
-    stats.add_argument("--records", type=int, default=0, help="include the last N requests")
+    stats.add_argument(
+        "--records", type=int, default=0, metavar="N", help="include the last N requests"
+    )
     stats.add_argument("--json", action="store_true", help="raw JSON instead of a table")
     stats.set_defaults(func=_cmd_client_stats)
     health = client_sub.add_parser("health", help="live/ready (exit 0 when ready)")
@@ -673,16 +827,26 @@ def add_server_commands(sub: Any) -> None:
     _client_options(metrics)
     metrics.set_defaults(func=_cmd_client_metrics)
     _add_trace_command(client_sub)
-    _add_trace_command(sub)  # `rocforge trace`, the same as `rocforge client trace`
     profile = client_sub.add_parser(
         "profile", help="switch the launch tracker and the kernel timer (GPU backends)"
     )
     _client_options(profile)
     _operator_option(profile)
-    profile.add_argument("--launches", choices=("on", "off"), help="per-launch host times")
-    profile.add_argument("--kernels", choices=("on", "off"), help="GPU time of sampled steps")
-    profile.add_argument("--every", type=int, help="the kernel timer times one step in N")
+    profile.add_argument(
+        "--launches", choices=("on", "off"), help="per-launch host times (default: unchanged)"
+    )
+    profile.add_argument(
+        "--kernels", choices=("on", "off"), help="GPU time of sampled steps (default: unchanged)"
+    )
+    profile.add_argument(
+        "--every",
+        type=int,
+        metavar="N",
+        help="the kernel timer times one step in N (default: unchanged)",
+    )
     profile.set_defaults(func=_cmd_client_profile)
+
+    _add_trace_command(sub)  # `rocforge trace`, the same as `rocforge client trace`
 
     keys = sub.add_parser("keys", help="make CURVE keys for a daemon and a client")
     keys.add_argument("dir", help="folder to write the keys into")
@@ -691,8 +855,17 @@ def add_server_commands(sub: Any) -> None:
     demo = sub.add_parser(
         "demo", help="start a daemon on the default model, stream a chat reply, print stats"
     )
-    demo.add_argument("--model", help="GGUF path (default: the SmolLM2 Q4_0 default model)")
-    demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    demo.add_argument("--model", metavar="PATH", help=MODEL_HELP)
+    demo.add_argument(
+        "--prompt",
+        type=prompt_argument,
+        default=DEMO_PROMPT,
+        metavar="TEXT",
+        help="the user's message; - reads it from stdin",
+    )
+    demo.add_argument(
+        "--max-tokens", type=int, default=48, metavar="N", help="tokens to generate at most"
+    )
+    demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
+    add_location_options(demo)
     demo.set_defaults(func=_cmd_demo)

@@ -19,7 +19,7 @@ from rocforge_rt.backends import (
 )
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from rocforge_rt.engine.kv_cache import SlotAllocator, kv_bytes_per_token, kv_pool_bytes
-from rocforge_rt.errors import RocforgeError
+from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.server.jobs import Limits
 
@@ -33,6 +33,10 @@ DEFAULT_MAX_QUEUE_TIME_S = 60.0
 class ServerError(RocforgeError):
     """The daemon cannot start as configured (memory budget, bind address, engine start-up),
     or its engine thread failed."""
+
+
+class OptionError(ServerError, UsageError):
+    """A configuration value out of range; the message names its option."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
     )
     for ok, message in checks:
         if not ok:
-            raise ServerError(message)
+            raise OptionError(message)
     model = load_model_file(config.model)
     hp = model.hparams
     n_ctx = min(config.ctx_size, hp.n_ctx_train)

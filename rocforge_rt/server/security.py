@@ -21,7 +21,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from rocforge_rt.errors import RocforgeError
+from rocforge_rt.errors import RocforgeError, UsageError
 
 AUTHORIZED_DIR = "authorized_clients"
 LOCAL_TRANSPORTS = ("ipc", "inproc")
@@ -32,6 +32,10 @@ API_KEY_ENV = "ROCFORGE_API_KEY"  # the HTTP front's API key, when no option giv
 
 class SecurityError(RocforgeError):
     """The daemon would be reachable by others without CURVE, or its keys are unusable."""
+
+
+class AddressRefused(SecurityError, UsageError):
+    """A listen or bind address malformed, or beyond loopback without a key."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
     host, colon, port = listen.rpartition(":")
     host = host.strip("[]")
     if not colon or not host or not re.fullmatch(r"[0-9]+", port) or int(port) > 65535:
-        raise SecurityError(
+        raise AddressRefused(
             f"cannot listen on {listen!r}: expected HOST:PORT with PORT in 0-65535"
             " (examples: 127.0.0.1:8000, [::1]:8000, 0.0.0.0:8000)"
         )
@@ -139,7 +143,7 @@ def check_http_listen(
     (given by `key_option`); returns its host and port."""
     host, port = parse_listen(listen)
     if not api_key and not is_loopback_host(host):
-        raise SecurityError(
+        raise AddressRefused(
             f"refusing to listen on {listen} without an API key: only loopback addresses"
             " (127.0.0.1:PORT, [::1]:PORT, localhost:PORT) may serve HTTP without one; pass"
             f" {key_option} KEY (or set {API_KEY_ENV}): clients then send"
@@ -152,9 +156,9 @@ def check_bind(endpoint: str, keys_dir: Path | None) -> None:
     """Refuse a malformed endpoint, and a non-loopback bind without CURVE keys."""
     problem = endpoint_problem(endpoint, bind=True)
     if problem is not None:
-        raise SecurityError(f"cannot bind {endpoint}: {problem}")
+        raise AddressRefused(f"cannot bind {endpoint}: {problem}")
     if keys_dir is None and not is_loopback_endpoint(endpoint):
-        raise SecurityError(
+        raise AddressRefused(
             f"refusing to bind {endpoint} without encryption: only loopback addresses "
             "(tcp://127.0.0.1:PORT, ipc://...) may be bound without CURVE keys; make keys with "
             "`rocforge keys DIR` and pass --curve-keys DIR"

@@ -16,8 +16,8 @@ request on stdin, one JSON reply): the HIP 5.2 compiler that Debian ships
 crashes on targets it does not know (gfx942, gfx1100), and a crash must become
 a `KernelCompileError`, not take the runtime down.
 
-hip-python finds the HIP libraries through ROCM_PATH. Where it is unset, the
-repository's ``.rocm`` folder made by ``scripts/install_hip_sdk.sh`` is used.
+hip-python finds the HIP libraries through ROCM_PATH. Where it is unset, a source
+checkout's ``.rocm`` folder made by ``scripts/install_hip_sdk.sh`` is used.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver, check
+from rocforge_rt.dirs import checkout_root
 from rocforge_rt.errors import BackendError, KernelCompileError, RocforgeError
 
 # Options every compile gets; with the wavefront option, part of
@@ -45,16 +46,17 @@ _ARCH_RE = re.compile(r"^gfx[0-9a-f]+(:[a-z]+[+-])*$")
 # ".../comgr-XXXX/input/CompileSource", a header ".../comgr-XXXX/include/NAME".
 _COMGR_SOURCE_RE = re.compile(r"\S*/comgr-\w+/input/CompileSource")
 _COMGR_INCLUDE_RE = re.compile(r"\S*/comgr-\w+/include/")
-_PACKAGE_ROOT = Path(__file__).resolve().parents[3]
-REPO_ROCM_DIR = _PACKAGE_ROOT / ".rocm"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds rocforge_rt: the worker imports it
 
 
 def rocm_path() -> str | None:
-    """The ROCm folder to load HIP from: $ROCM_PATH, else the repo's ``.rocm`` if set up."""
+    """The ROCm folder to load HIP from: $ROCM_PATH, else a source checkout's ``.rocm`` if
+    set up."""
     if os.environ.get("ROCM_PATH"):
         return os.environ["ROCM_PATH"]
-    if (REPO_ROCM_DIR / "lib" / "libamdhip64.so").exists():
-        return str(REPO_ROCM_DIR)
+    root = checkout_root()
+    if root is not None and (root / ".rocm" / "lib" / "libamdhip64.so").exists():
+        return str(root / ".rocm")
     return None
 
 

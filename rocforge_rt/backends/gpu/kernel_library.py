@@ -1,11 +1,15 @@
 """Kernel library: finds ``kernels/*.hip``, compiles them per target, caches the results.
 
+The sources are the repository's ``kernels/`` folder, installed as package data
+(``rocforge_rt/_kernels``): `kernels_dir` finds them in a checkout or an install.
+
 One source tree builds for every vendor: a `Compiler` (NVRTC or hiprtc, from the
 backends) turns a source into a code object (an ELF: CUBIN or AMD HSACO). Code
-objects are cached on disk under a sha256 of everything that shapes them (source,
-header contents, vendor, arch, defines, compiler version), so a warm start
-compiles nothing. Every compile gets the shared constants of kernel_constants.py
-(`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the compiler's target as -D defines.
+objects are cached on disk (``kernels/`` in the cache folder of rocforge_rt/dirs.py)
+under a sha256 of everything that shapes them (source, header contents, vendor, arch,
+defines, compiler version), so a warm start compiles nothing. Every compile gets the
+shared constants of kernel_constants.py (`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the
+compiler's target as -D defines.
 
 Each kernel's parameter list is read from its C declaration (`kernel_signatures`)
 and mapped to the launch argument codes of launch.py (`C_ARG_TYPES`), so a launch
@@ -15,6 +19,7 @@ packs its arguments as the kernel declares them.
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import os
 import re
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from rocforge_rt import dirs
 from rocforge_rt.backends.gpu.kernel_constants import KERNEL_DEFINES
 
 _IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -52,6 +58,7 @@ C_ARG_TYPES = {
     "long long": "i64",
     "long long int": "i64",
 }
+KERNELS_ENV = "ROCFORGE_KERNELS_DIR"
 _CACHE_FORMAT = 1  # bump when the key derivation or the file layout changes
 _ELF_MAGIC = b"\x7fELF"
 
@@ -87,15 +94,15 @@ class CodeObject:
 
 
 def kernels_dir() -> Path:
-    """The kernel sources: $ROCFORGE_KERNELS_DIR, else ``kernels/`` beside the package."""
-    override = os.environ.get("ROCFORGE_KERNELS_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[3] / "kernels"
-
-
-def default_cache_dir() -> Path:
-    """Where code objects are cached: $ROCFORGE_CACHE_DIR, else ~/.cache/rocforge-rt/kernels."""
-    override = os.environ.get("ROCFORGE_CACHE_DIR")
-    return Path(override) if override else Path.home() / ".cache" / "rocforge-rt" / "kernels"
+    """The kernel sources: $ROCFORGE_KERNELS_DIR, else a source checkout's ``kernels/``, else
+    the installed package's copy (``rocforge_rt/_kernels``, package data)."""
+    override = os.environ.get(KERNELS_ENV)
+    if override:
+        return Path(override)
+    root = dirs.checkout_root()
+    if root is not None:
+        return root / "kernels"
+    return Path(str(importlib.resources.files("rocforge_rt") / "_kernels"))
 
 
 def kernel_names(source: str) -> list[str]:
@@ -265,10 +272,10 @@ class KernelLibrary:
     ) -> None:
         self.compiler = compiler
         self.source_dir = source_dir if source_dir is not None else kernels_dir()
-        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        self.cache_dir = cache_dir if cache_dir is not None else dirs.kernel_cache_dir()
         if not self.source_dir.is_dir():
             raise FileNotFoundError(
-                f"kernel sources not found at {self.source_dir}; set ROCFORGE_KERNELS_DIR"
+                f"kernel sources not found at {self.source_dir}; set {KERNELS_ENV}"
             )
         self.compiles = 0
         self.cache_hits = 0

@@ -14,12 +14,12 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rocforge_rt.errors import RocforgeError
+from rocforge_rt.errors import UsageError
+from rocforge_rt.server.command_line import Parser, run
 from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen, client_keys
 
@@ -32,32 +32,44 @@ PARENT_POLL_S = 0.5
 
 
 def add_http_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--daemon", default=DEFAULT_DAEMON, help=f"the daemon's ZeroMQ address ({DEFAULT_DAEMON})"
-    )
+    parser.add_argument("--daemon", default=DEFAULT_DAEMON, help="the daemon's ZeroMQ address")
     parser.add_argument(
         "--listen",
         default=DEFAULT_LISTEN,
-        help=f"HOST:PORT to serve HTTP on ({DEFAULT_LISTEN}; beyond loopback needs --api-key)",
+        metavar="HOST:PORT",
+        help="where to serve HTTP (beyond loopback needs --api-key)",
     )
     parser.add_argument(
         "--api-key",
         default=None,
+        metavar="KEY",
         help=f"/v1/* requests need `Authorization: Bearer KEY` (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
-        "--curve-keys", help="folder with client.key_secret and server.key (a CURVE daemon)"
+        "--curve-keys",
+        metavar="DIR",
+        help="folder with client.key_secret and server.key, for a CURVE daemon (default: none)",
     )
     parser.add_argument(
-        "--model-name", help="the model's id in the API (default: the GGUF file name's stem)"
+        "--model-name",
+        metavar="NAME",
+        help="the model's id in the API (default: the GGUF file name's stem)",
     )
     parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the parent process is gone"
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe messages logged",
     )
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS)
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line",
+    )
 
 
 def add_http_command(sub: Any) -> None:
@@ -70,7 +82,8 @@ def add_http_command(sub: Any) -> None:
 
 
 def run_http(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; RocforgeError (SecurityError) for a listen refused."""
+    """Serve until SIGTERM/SIGINT; a UsageError for a listen address refused or a malformed
+    daemon address."""
     import uvicorn
 
     from rocforge_rt.server.http.app import FrontConfig, create_app
@@ -87,7 +100,7 @@ def run_http(args: argparse.Namespace) -> int:
     try:
         app = create_app(config)
     except ValueError as exc:  # a malformed daemon address
-        raise RocforgeError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     server = uvicorn.Server(server_config(app, host, port))
     asyncio.run(_serve(server, args.exit_with_parent))
     return 0 if server.started else 1
@@ -127,13 +140,7 @@ async def _watch_parent(server: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rocforge_rt.server.http", description=__doc__)
+    """`python -m rocforge_rt.server.http`; the exit status as server/command_line.py says."""
+    parser = Parser(prog="python -m rocforge_rt.server.http", description=__doc__)
     add_http_options(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_http(args)
-    except RocforgeError as exc:
-        print(f"rocforge http: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(lambda: run_http(parser.parse_args(argv)), "rocforge http")
