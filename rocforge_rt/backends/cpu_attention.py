@@ -16,10 +16,10 @@ sum's order.
 import numpy as np
 from numba import prange
 
-from rocforge_rt.backends.cpu_kernels import _compiled
+from rocforge_rt.backends.cpu_kernels import compiled
 
 
-@_compiled(parallel=True)
+@compiled(parallel=True)
 def attend(q, keys_t, values, positions, scale, out):  # pragma: no cover - compiled
     """out [rows, n_head, dv] for queries q [rows, n_head, dk] (float32) of one slot over its
     keys_t [n_kv, dk, length] (positions innermost) and values [length, n_kv, dv] (float32),

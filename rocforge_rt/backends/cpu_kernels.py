@@ -32,7 +32,7 @@ it and whatever the thread count.
 Compiled on first use and cached on disk (`cache=True`: in NUMBA_CACHE_DIR, which
 rocforge_rt/__init__.py points at the cache folder's numba/ unless the user set it).
 Where numba finds no writable place at all it refuses `cache=True` when the function is
-decorated (a RuntimeError at import): `_compiled` then takes the kernels uncached, compiled
+decorated (a RuntimeError at import): `compiled` then takes the kernels uncached, compiled
 on every start.
 """
 
@@ -46,7 +46,7 @@ from numba import njit, prange
 LANES = 64  # weight rows the matmul takes side by side (a tile: the vector lanes)
 
 
-def _compiled(**options: Any) -> Callable[..., Any]:
+def compiled(**options: Any) -> Callable[..., Any]:
     """njit(cache=True, fastmath=False, **options), or uncached where numba has no cache
     directory it can write."""
 
@@ -59,7 +59,7 @@ def _compiled(**options: Any) -> Callable[..., Any]:
     return decorate
 
 
-@_compiled(inline="always")
+@compiled(inline="always")
 def _fold_lanes(b, n_blocks, d, scales, dots, stage, total):  # pragma: no cover - compiled
     """Block b of the canonical sum for a tile's outputs at once (lane i: dots[i], the
     block's integer dot, weighed by d * scales[i], d the activation's scale); stage and
@@ -78,7 +78,7 @@ def _fold_lanes(b, n_blocks, d, scales, dots, stage, total):  # pragma: no cover
             total[i] = stage[i] if b < 2 else total[i] + stage[i]
 
 
-@_compiled(inline="always")
+@compiled(inline="always")
 def _tile(quants, scales, n_out, n_blocks, t):  # pragma: no cover - compiled
     """Tile t of a tiled matrix (`cpu.BlockMatrix`): its first row, its width (LANES, fewer
     in the last tile), its words [n_blocks, words a block, width] and scales [n_blocks,
@@ -91,7 +91,7 @@ def _tile(quants, scales, n_out, n_blocks, t):  # pragma: no cover - compiled
     return first, width, words.reshape((n_blocks, per_block, width)), d_w.reshape((n_blocks, width))
 
 
-@_compiled(inline="always")
+@compiled(inline="always")
 def _nibble_dot(word, x, k):  # pragma: no cover - compiled
     """A Q4_0 word's part of its block's dot with activations x (int16 [32]): word k holds
     elements 2k and 2k + 16 (byte 2k's nibbles), 2k + 1 and 2k + 17; integer = nibble - 8."""
@@ -103,7 +103,7 @@ def _nibble_dot(word, x, k):  # pragma: no cover - compiled
     return np.int16(np.int16(p0 + p1) + np.int16(p2 + p3))
 
 
-@_compiled(inline="always")
+@compiled(inline="always")
 def _pair_dot(word, x, k):  # pragma: no cover - compiled
     """An int8 word's part of its block's dot with activations x (int16 [32]): word k holds
     elements 2k (low byte) and 2k + 1 (high); |sum| <= 2 * 127 * 128 fits int16."""
@@ -111,7 +111,7 @@ def _pair_dot(word, x, k):  # pragma: no cover - compiled
     return np.int16(np.int16(x[2 * k] * low) + np.int16(x[2 * k + 1] * np.int16(word >> 8)))
 
 
-@_compiled()
+@compiled()
 def _q8_block(x, r, first, values):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x[r, first : first + 32]: its 32 integers into values (float32),
     trunc(x / d + copysign(0.5, x / d)) with d = amax / 127 (1 where amax is 0), in float32;
@@ -127,7 +127,7 @@ def _q8_block(x, r, first, values):  # pragma: no cover - compiled
     return scale
 
 
-@_compiled()
+@compiled()
 def _kept_scale(d):  # pragma: no cover - compiled
     """`cpu.kept_scales` of one scale d >= 0: d rounded to the nearest fp16 (even on a tie),
     saturating at 65504, as float32. Rounded as a multiple of fp16's step at d's binade
@@ -138,7 +138,7 @@ def _kept_scale(d):  # pragma: no cover - compiled
     return np.float32(np.rint(np.float64(d) / step) * step)
 
 
-@_compiled()
+@compiled()
 def _q8_rows(x):  # pragma: no cover - compiled
     """`cpu.q8_blocks` of x [rows, k] (float32), for the tile kernels: the integers (int16
     [rows, k / 32, 32]) and the kept scales [rows, k / 32]."""
@@ -153,7 +153,7 @@ def _q8_rows(x):  # pragma: no cover - compiled
     return qx, sx
 
 
-@_compiled(parallel=True)
+@compiled(parallel=True)
 def q8_q4_matmul(x, words, scales, out):  # pragma: no cover - compiled
     """out[r, o] for rows x (float32 [rows, k]), quantized to int8 per block first
     (`_q8_rows`, in the same call: 15 -> 14 us a 576 x 576 call), times tiled Q4_0 weights
@@ -182,7 +182,7 @@ def q8_q4_matmul(x, words, scales, out):  # pragma: no cover - compiled
             out[r, first : first + width] = total
 
 
-@_compiled(parallel=True)
+@compiled(parallel=True)
 def q8_q8_matmul(x, words, scales, out):  # pragma: no cover - compiled
     """As q8_q4_matmul for tiled int8 weights (Q8_0, or Q4_0 rows stacked beside Q8_0 ones):
     int16 words (`_pair_dot`), a block's dot summed in int32, word by word (its 16 words
@@ -206,7 +206,7 @@ def q8_q8_matmul(x, words, scales, out):  # pragma: no cover - compiled
             out[r, first : first + width] = total
 
 
-@_compiled()
+@compiled()
 def rope_rows(x, positions, cos, sin, out):  # pragma: no cover - compiled
     """out = x (float32 [rows, heads, head_dim]) with each head's adjacent pairs (2i, 2i + 1),
     i < cos.shape[1], rotated by row r's angles cos[positions[r], i], sin[...]: (e * c - o *
@@ -224,7 +224,7 @@ def rope_rows(x, positions, cos, sin, out):  # pragma: no cover - compiled
             out[r, h, 2 * pairs :] = x[r, h, 2 * pairs :]
 
 
-@_compiled()
+@compiled()
 def halves_to_singles(halves, out):  # pragma: no cover - compiled
     """out (float32) = halves (float16 bits as uint16) exactly, numpy's `astype` (every one of
     the 65536, nan payloads included) without the denormal arithmetic a shift-and-scale
@@ -244,7 +244,7 @@ def halves_to_singles(halves, out):  # pragma: no cover - compiled
             out[i] = -value if h & 0x8000 else value
 
 
-@_compiled()
+@compiled()
 def _block_sum(a, start, n):  # pragma: no cover - compiled
     """numpy's float32 sum of up to 128 values a[start : start + n] (a leaf of its pairwise
     summation): under 8 one by one; else 8 interleaved sums, combined as ((0 + 1) + (2 + 3))
@@ -266,7 +266,7 @@ def _block_sum(a, start, n):  # pragma: no cover - compiled
     return total
 
 
-@_compiled()
+@compiled()
 def _pairwise_sum(a):  # pragma: no cover - compiled
     """numpy's float32 sum of a (`add.reduce`'s pairwise summation, in its order): over 128
     values, the sum of its two halves' sums (the first half a multiple of 8 long), down to
@@ -296,7 +296,7 @@ def _pairwise_sum(a):  # pragma: no cover - compiled
         done[depth] = False
 
 
-@_compiled()
+@compiled()
 def rms_norm_rows(x, gain, eps, out):  # pragma: no cover - compiled
     """out = `cpu.rms_normalize(x, gain, eps)` for float32 x [rows, n] and gain [n], numpy's
     operations in numpy's order: mean = pairwise sum of x * x / n, r = 1 / sqrt(mean + eps),
