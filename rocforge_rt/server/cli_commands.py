@@ -35,7 +35,7 @@ from rocforge_rt.server.config import (
     ServerError,
 )
 from rocforge_rt.server.front_process import FrontProcess, connect_address, front_command
-from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
+from rocforge_rt.server.logs import add_log_options, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
@@ -788,18 +788,7 @@ def add_server_commands(sub: Any) -> None:
         metavar="NAME",
         help="the model's id in the HTTP API (default: the GGUF file name's stem)",
     )
-    serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="the least severe messages logged",
-    )
-    serve.add_argument(
-        "--log-format",
-        default="text",
-        choices=LOG_FORMATS,
-        help="text lines, or one JSON object a line",
-    )
+    add_log_options(serve)
     add_location_options(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -9,6 +9,7 @@ needed one; those the I/O thread refuses up front (malformed, busy, over a bound
 none, so a flood of them cannot flood the log.
 """
 
+import argparse
 import json
 import logging
 import sys
@@ -36,6 +37,22 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
+
+
+def add_log_options(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format, as every long-running command takes them."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe messages logged",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line",
+    )
 
 
 def configure_logging(level: str, log_format: str) -> None:

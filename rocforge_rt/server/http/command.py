@@ -20,7 +20,7 @@ from typing import Any
 
 from rocforge_rt.errors import UsageError
 from rocforge_rt.server.command_line import Parser, run
-from rocforge_rt.server.logs import LOG_FORMATS, configure_logging
+from rocforge_rt.server.logs import add_log_options, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen, client_keys
 
 log = logging.getLogger("rocforge.http")
@@ -58,18 +58,7 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the parent process is gone"
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="the least severe messages logged",
-    )
-    parser.add_argument(
-        "--log-format",
-        default="text",
-        choices=LOG_FORMATS,
-        help="text lines, or one JSON object a line",
-    )
+    add_log_options(parser)
 
 
 def add_http_command(sub: Any) -> None:
