@@ -200,7 +200,7 @@ def test_quantized_arithmetic_follows_llamacpp_to_its_rounding(
 ) -> None:
     """Where the two sides round differently (rope_reference: one quantizes activations and
     the other not, or their attention roundings past one token), that alone parts the logits
-    by up to 0.129 (correlation down to 0.99930): the bar is that noise floor's, far inside
+    by up to 0.117 (correlation down to 0.99939): the bar is that noise floor's, far inside
     what ignoring the scaling costs."""
     theirs = getattr(rope_reference.cases[case], reference)
     max_diff, corr = agreement(last_logits(case, activations), theirs)
