@@ -4,10 +4,11 @@ import os
 
 from rocforge_rt.dirs import point_numba_cache
 
-# OpenBLAS's idle workers spin for 2^28 cycles (~0.1 s) after each call by default. The CPU
-# backend alternates BLAS (attention) with numba's matmul, so they held a core the matmul
-# needed: on 2 cores, 2^4 cycles made a 128-token SmolLM2 prefill 990 -> 450 ms and decode
-# 37.6 -> 44.9 tok/s. OpenBLAS reads it once, when it loads: this takes effect where
+# OpenBLAS's idle workers spin for 2^28 cycles (~0.1 s) after each call by default, holding a
+# core numba's kernels then need: on 2 cores, 2^4 cycles made a 128-token SmolLM2 prefill
+# 990 -> 450 ms and decode 37.6 -> 44.9 tok/s, when the CPU backend's attention was BLAS
+# products. Now only its float32 paths (F16/F32 weights, activations="f32") call BLAS
+# between the kernels. OpenBLAS reads it once, when it loads: this takes effect where
 # rocforge_rt is imported before numpy (the CLI, the daemon, the scripts); a value in the
 # environment wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
