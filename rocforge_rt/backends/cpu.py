@@ -18,8 +18,8 @@ same arithmetic in numpy. Without an integer form (F16/F32 weights, or
 `activations="f32"`) each row takes a BLAS call of its own.
 
 Threads: `threads` (default: the physical cores) sizes numba's pool for the matmul and
-limits the BLAS pools (attention, the float32 paths) to as many, so that they do not
-oversubscribe the cores.
+limits the BLAS pools (the float32 paths) to as many, so that they do not oversubscribe
+the cores.
 """
 
 import contextlib
@@ -498,11 +498,11 @@ class CpuBackend:
             rows = np.flatnonzero(batch.slots == slot)
             positions = batch.positions[rows]
             length = int(positions.max()) + 1
-            keys = singles(self.k_cache[layer][slot, :length]).transpose(1, 2, 0)  # [Hkv, D, L]
+            keys = singles(self.k_cache[layer][slot, :length])  # [L, Hkv, D]
+            keys = np.ascontiguousarray(keys.transpose(1, 2, 0))  # [Hkv, D, L]
             values = singles(self.v_cache[layer][slot, :length])  # [L, Hkv, D]
             mixed = np.empty((len(rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
             queries = q[rows].reshape(len(rows), hp.n_head, hp.head_dim_k)
-            keys = np.ascontiguousarray(keys)
             attend(queries, keys, values, positions.astype(np.int64), scale, mixed)
             out[rows] = mixed
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
