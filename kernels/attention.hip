@@ -34,6 +34,8 @@
 // positions, slots int32 [n_tokens]: token t attends to cache positions 0..positions[t]
 //                  of slot slots[t] (step state, read on the device)
 // out      fp32 [n_tokens, n_head * d]
+// xq, ahead (decode kernel) in a one-row step: the output row quantized for the O
+//          projection (else nullptr), and 1 (else 0): stage the cache before the wait
 //
 // rf_attention_decode_d<D>: head dim D; a block per (KV head, token, tile) computes the part
 //   of each head of the group (the rows of one 16-row mma block; rows past the group idle).
@@ -47,7 +49,9 @@
 //   the (token, KV head) to finish folds them all in order, each thread loading
 //   RF_ATTN_FOLD_BATCH parts before folding them (counters uint32 [n_tokens, n_kv], zero
 //   before the first launch, reset by that block). The grid is sized for the whole
-//   context; blocks past the token's last tile exit.
+//   context; blocks past the token's last tile exit. In a one-row step a block stages the
+//   cache rows before the token's position ahead of its wait for the previous kernel (they
+//   are earlier steps').
 //   Launch: grid (n_kv, n_tokens, max_tiles), block RF_ATTN_WARPS * 32.
 // rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
 //   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
@@ -89,17 +93,31 @@ struct alignas(16) rf_attn_f32x4 {
 
 // Rows [0, RF_ATTN_TILE) of a K or V tile into shared memory, D + 8 halves apart (16-byte
 // aligned; the 8 rows an ldmatrix reads hit 32 distinct banks): rows [0, n) from `src`
-// (`stride` halves apart), zeros past n. Every thread of the block takes part; cp.async
-// on NVIDIA (the caller commits and waits).
+// (`stride` halves apart), zeros past n, row `skip` left as it is (-1: none). Every thread
+// of the block takes part; cp.async on NVIDIA (the caller commits and waits).
 template <int D>
-RF_DEVICE_INLINE void rf_attn_stage(uint16_t* dst, const uint16_t* src, int64_t stride, int n) {
+RF_DEVICE_INLINE void rf_attn_stage(uint16_t* dst, const uint16_t* src, int64_t stride, int n,
+                                    int skip = -1) {
     constexpr int PER_ROW = D / 8, CHUNKS = RF_ATTN_TILE * PER_ROW;
     static_assert(CHUNKS % RF_ATTN_THREADS == 0, "whole rounds of 16-byte copies");
 #pragma unroll
     for (int i = (int)threadIdx.x; i < CHUNKS; i += RF_ATTN_THREADS) {
         const int row = i / PER_ROW, c = i % PER_ROW;
         const bool fill = row < n;
-        rf_cp_async16(dst + row * (D + 8) + 8 * c, fill ? src + row * stride + 8 * c : src, fill);
+        if (row != skip) {
+            rf_cp_async16(dst + row * (D + 8) + 8 * c, fill ? src + row * stride + 8 * c : src,
+                          fill);
+        }
+    }
+}
+// Row `row` of a K or V tile staged as rf_attn_stage does, by the block's first D / 8
+// threads.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_stage_row(uint16_t* dst, const uint16_t* src, int64_t stride,
+                                        int row) {
+    const int c = (int)threadIdx.x;
+    if (c < D / 8) {
+        rf_cp_async16(dst + row * (D + 8) + 8 * c, src + row * stride + 8 * c, true);
     }
 }
 
@@ -318,11 +336,21 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
                                      const int32_t* RF_RESTRICT slots, int n_ctx, int n_head,
                                      int n_kv, float qscale, int max_tiles,
                                      float* RF_RESTRICT partial, uint32_t* RF_RESTRICT counters,
-                                     float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq) {
+                                     float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq,
+                                     int ahead) {
     constexpr int RECORD = D + 4;  // a part in `partial`: acc[D], m, l, 2 unused
     constexpr int PAIRS = (D / 16 + RF_ATTN_WARPS - 1) / RF_ATTN_WARPS;  // value pairs a warp
     const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
     const int group = n_head / n_kv;
+    // `ahead` (a one-row step): the cache rows before the token's own position, and the step
+    // state, are earlier steps' and complete (this kernel's predecessor, the Q|K|V GEMV, lets
+    // it launch only after its own wait, so every kernel before that one has finished), so
+    // they are staged before the wait; only the newest row and q are the GEMV's. Other steps
+    // (rows of a prompt chunk may read each other's rows) read everything after the wait.
+    const bool one_row = ahead != 0;
+    if (!one_row) {
+        rf_pdl_wait();
+    }
     const int length = positions[token] + 1;
     const int n_tiles = (length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
     const bool alone = n_tiles <= RF_ATTN_DECODE_TILES(D);  // block 0 takes every tile
@@ -332,12 +360,25 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     const int first_tile = alone ? 0 : tile, end_tile = alone ? n_tiles : tile + 1;
     const int64_t kv_stride = (int64_t)n_kv * D;
     const int64_t base = (int64_t)slots[token] * n_ctx * kv_stride + (int64_t)kvh * D;
+    const int newest = one_row ? length - 1 : -1;  // the row staged after the wait
     for (int j = first_tile; j < end_tile; ++j) {
         const int start = j * RF_ATTN_TILE;
         uint16_t* k_tile = sh.kv + 2 * (j - first_tile) * RF_ATTN_STAGE(D);
-        rf_attn_stage<D>(k_tile, k_cache + base + start * kv_stride, kv_stride, length - start);
+        rf_attn_stage<D>(k_tile, k_cache + base + start * kv_stride, kv_stride, length - start,
+                         newest - start);
         rf_attn_stage<D>(k_tile + RF_ATTN_STAGE(D), v_cache + base + start * kv_stride, kv_stride,
-                         length - start);
+                         length - start, newest - start);
+    }
+    if (one_row) {
+        rf_pdl_wait();
+        if (end_tile == n_tiles) {  // the newest row is in this block's last tile
+            const int start = (n_tiles - 1) * RF_ATTN_TILE;
+            uint16_t* k_tile = sh.kv + 2 * (n_tiles - 1 - first_tile) * RF_ATTN_STAGE(D);
+            rf_attn_stage_row<D>(k_tile, k_cache + base + start * kv_stride, kv_stride,
+                                 newest - start);
+            rf_attn_stage_row<D>(k_tile + RF_ATTN_STAGE(D), v_cache + base + start * kv_stride,
+                                 kv_stride, newest - start);
+        }
     }
     rf_cp_async_commit();
     // Rows: the group's heads (one 16-row block; rows past the group have no position).
@@ -543,32 +584,32 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,         \
         const int32_t *RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, float qscale,   \
         int max_tiles, float *RF_RESTRICT partial, uint32_t *RF_RESTRICT counters,         \
-        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq
+        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead
 #define RF_ATTN_DECODE_ARGS                                                                \
     sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
-        counters, out, xq
+        counters, out, xq, ahead
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_begin();
+    rf_pdl_launch_dependents();  // rf_attn_decode waits
     rf_attn_decode<32>(RF_ATTN_DECODE_ARGS);
 }
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d64(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_begin();
+    rf_pdl_launch_dependents();  // rf_attn_decode waits
     rf_attn_decode<64>(RF_ATTN_DECODE_ARGS);
 }
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d96(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_begin();
+    rf_pdl_launch_dependents();  // rf_attn_decode waits
     rf_attn_decode<96>(RF_ATTN_DECODE_ARGS);
 }
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d128(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_begin();
+    rf_pdl_launch_dependents();  // rf_attn_decode waits
     rf_attn_decode<128>(RF_ATTN_DECODE_ARGS);
 }
 

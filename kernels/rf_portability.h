@@ -281,7 +281,9 @@ RF_DEVICE_INLINE void rf_prefetch_l1(const void* p) {
 //   rf_pdl_wait()              blocks until the previous kernel has finished and its
 //                              writes are visible. Every kernel calls it before it reads
 //                              anything an earlier kernel of the step writes, and before
-//                              it writes anything; before it, only weights may be read.
+//                              it writes anything; before it, only weights may be read,
+//                              and what kernels known to have finished wrote (the decode
+//                              attention's one-row stage: attention.hip says why).
 //   rf_pdl_launch_dependents() lets the next kernel in the stream start launching.
 // Without the attribute (and on AMD) both are no-ops and stream order holds as usual.
 #if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -295,7 +295,8 @@ def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kerne
 ):
     """Each token of a chunk (the prefill kernel, rows of several tokens per fragment),
     decoded in steps of up to GEMV_MAX_ROWS tokens (the decode kernel, the context split
-    across blocks), gives the same bits."""
+    across blocks), gives the same bits; so does its last token decoded alone (a one-row
+    step, which stages the cache before its own row)."""
     gpu, _ = attention_setup(head_dim, group)
     q = np.random.default_rng(context + 1).standard_normal((ATTN_CHUNK, gpu.hparams.q_dim))
     q = q.astype(np.float32)
@@ -309,6 +310,8 @@ def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kerne
         )
         pieces.append(run_attention(gpu, step, q[first : first + GEMV_MAX_ROWS]))
     assert np.array_equal(whole, np.concatenate(pieces))
+    alone = StepBatch.decode([0], [int(chunk.positions[-1])], [1])
+    assert np.array_equal(whole[-1:], run_attention(gpu, alone, q[-1:]))
 
 
 @pytest.fixture(scope="module")

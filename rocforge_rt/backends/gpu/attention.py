@@ -116,7 +116,7 @@ class Attention:
             if launch.prefill:
                 self._prefill(q, layer, index, launch.first, launch.rows)
             else:
-                self._decode(q, layer, index, launch.first, launch.rows, xq)
+                self._decode(q, layer, index, launch.first, launch.rows, xq, q.rows == 1)
         hp = self.hparams
         return Activation(self.ws.attn, q.rows, hp.n_head * hp.head_dim_v, q8=xq)
 
@@ -150,10 +150,12 @@ class Attention:
         )  # fmt: skip
 
     def _decode(
-        self, q: Activation, layer: int, index: int, first: int, rows: int, xq: int
+        self, q: Activation, layer: int, index: int, first: int, rows: int, xq: int, ahead: bool
     ) -> None:
         """Rows of any slots and positions (at most `attn_decode_rows`) on the decode kernel;
-        with `xq` (a one-row step), the output row is also quantized there."""
+        with `xq` (a one-row step), the output row is also quantized there. `ahead` (a
+        one-row step: only the row's own cache entry is this step's) lets the kernel stage the
+        rest of the cache before it waits for the Q|K|V projection."""
         hp, ws = self.hparams, self.ws
         q_ptr, positions, slots, out = self._row_pointers(q, first)
         self._launch(
@@ -163,5 +165,5 @@ class Attention:
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
              hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles,
-             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq),
+             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq, int(ahead)),
         )  # fmt: skip
