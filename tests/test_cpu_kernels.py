@@ -1,5 +1,10 @@
 """The CPU backend's compiled elementwise kernels are numpy's arithmetic, bit for bit."""
 
+import os
+import platform
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -71,3 +76,34 @@ def test_the_kept_scale_is_numpys_fp16_rounding_of_the_scale():
     got = np.empty_like(values)
     kept(values, got)
     assert np.array_equal(got.view(np.uint32), kept_scales(values).view(np.uint32))
+
+
+NO_F16C_SCRIPT = """
+import numpy as np
+from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference, singles
+from rocforge_rt.backends.cpu_kernels import _converts_halves
+
+assert not _converts_halves()
+halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+assert np.array_equal(singles(halves).view(np.uint32), halves.astype(np.float32).view(np.uint32))
+rng = np.random.default_rng(0)
+scales = rng.choice(halves[np.isfinite(halves)], (130, 5))  # subnormals and all
+x = rng.standard_normal((3, 160)).astype(np.float32)
+for low, high, size, dtype in ((0, 256, 16, np.uint8), (-128, 128, 32, np.int8)):
+    matrix = BlockMatrix(rng.integers(low, high, (130, size, 5), dtype), scales)
+    got, expected = q8_matmul(x, matrix), q8_matmul_reference(x, matrix)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="compiles for an x86-64 without F16C")
+def test_without_f16c_the_kernels_convert_halves_in_integers_exactly(tmp_path):
+    """Compiled for an x86-64 CPU without F16C (where LLVM's fpext from half would call a
+    runtime function numba does not link), the fp16 conversion of the KV pool's reads and
+    of the matmul's weight scales is the integer one, numpy's `astype` bit for bit."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse2,+cx16",
+           "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", NO_F16C_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

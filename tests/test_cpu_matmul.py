@@ -120,14 +120,14 @@ def test_the_compiled_matmul_is_the_numpy_canonical_sum_bit_for_bit(n_out, n_in,
 
 
 def block_matrix(rng, n_out, n_in, nibbles):
-    """A BlockMatrix of random quant bytes (every nibble, or int8 from -128) and scales; the
-    bytes and scales it was built from."""
+    """A BlockMatrix of random quant bytes (every nibble, or int8 from -128) and fp16 scales;
+    the bytes and scales it was built from."""
     n_blocks = n_in // 32
     if nibbles:
         quants = rng.integers(0, 256, (n_out, 16, n_blocks), dtype=np.uint8)
     else:
         quants = rng.integers(-128, 128, (n_out, 32, n_blocks), dtype=np.int8)
-    scales = rng.random((n_out, n_blocks), dtype=np.float32)
+    scales = rng.random((n_out, n_blocks)).astype(np.float16)
     return BlockMatrix(quants, scales), quants, scales
 
 
@@ -136,7 +136,8 @@ def block_matrix(rng, n_out, n_in, nibbles):
 def test_a_tiled_matrix_gives_back_each_rows_integers_and_scales(n_out, n_in, nibbles):
     """BlockMatrix holds its rows in tiles of LANES (the last one narrower); `integers` reads
     any rows back: element j of a Q4_0 block is byte j's low nibble - 8, element j + 16 its
-    high nibble - 8; an int8 block's element j is byte j."""
+    high nibble - 8; an int8 block's element j is byte j; the fp16 scales as float32. It
+    holds the bytes it was given, the fp16 scales as such."""
     rng = np.random.default_rng(n_out * n_in)
     matrix, quants, scales = block_matrix(rng, n_out, n_in, nibbles)
     assert matrix.nbytes == quants.nbytes + scales.nbytes
@@ -146,7 +147,8 @@ def test_a_tiled_matrix_gives_back_each_rows_integers_and_scales(n_out, n_in, ni
     ids = rng.permutation(n_out)
     ints, row_scales = matrix.integers(ids)
     assert np.array_equal(ints, quants[ids].transpose(0, 2, 1))
-    assert np.array_equal(row_scales, scales[ids])
+    assert row_scales.dtype == np.float32
+    assert np.array_equal(row_scales, scales[ids].astype(np.float32))
 
 
 @pytest.mark.parametrize("nibbles", [True, False])
@@ -163,13 +165,35 @@ def test_the_tiled_kernels_are_the_canonical_sum_whatever_the_tiles_width(n_out,
         lowest, low = np.zeros((n_out, 16, n_blocks), np.uint8), -8
     else:
         lowest, low = np.full((n_out, 32, n_blocks), -128, np.int8), -128
-    extreme = BlockMatrix(lowest, np.ones((n_out, n_blocks), np.float32))
+    extreme = BlockMatrix(lowest, np.ones((n_out, n_blocks), np.float16))
     for rows in (1, 2, 3, 8):
         x = rng.standard_normal((rows, n_in)).astype(np.float32)
         x[0] = np.float32(127 / 128)  # every integer 127, d_x = 2^-7 (an fp16)
         for m in (matrix, extreme):
             assert np.array_equal(bits(q8_matmul(x, m)), bits(q8_matmul_reference(x, m))), rows
         assert q8_matmul(x[:1], extreme)[0, 0] == 127 * 32 * low * n_blocks / 128
+
+
+# fp16 bits of every kind of finite scale: zeros, subnormals (the least, the largest), the
+# least normal, 1, the largest (65504), values between; either sign
+SPECIAL_SCALES = np.array(
+    [0, 0x8000, 1, 0x3FF, 0x8001, 0x83FF, 0x400, 0x3C00, 0x7BFF, 0xFBFF, 0x3555, 0xB2AB], np.uint16
+).view(np.float16)
+
+
+@pytest.mark.parametrize("nibbles", [True, False])
+def test_the_kernels_take_every_finite_fp16_scale_exactly(nibbles):
+    """The matrix holds the file's fp16 scales; the kernels take them to float32 themselves:
+    bit for bit the numpy reference's products (numpy's float16 -> float32) for scales of
+    every kind (a kind a row), subnormals included."""
+    rng = np.random.default_rng(9)
+    quants = block_matrix(rng, 130, 160, nibbles)[1]
+    scales = np.resize(SPECIAL_SCALES, 130)[:, None].repeat(5, axis=1)
+    matrix = BlockMatrix(quants, scales)
+    x = rng.standard_normal((3, 160)).astype(np.float32)
+    expected = q8_matmul_reference(x, matrix)
+    assert np.count_nonzero(expected) == 3 * 130 - 3 * 2 * 11  # but the rows of zero scales
+    assert np.array_equal(bits(q8_matmul(x, matrix)), bits(expected))
 
 
 def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():
@@ -182,14 +206,17 @@ def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():
     assert np.array_equal(bits(q8_matmul(x, matrix)), bits(q8_matmul_reference(x, matrix)))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
-def test_quantized_weights_stay_packed_at_about_the_files_bytes(qtype):
-    """Q4_0: 16 nibble bytes + a float32 scale a block (20 bytes for the file's 18); Q8_0: 32
-    int8 + the scale (36 for 34). No float32 expansion until the f32 mode asks for `dense`."""
+@pytest.mark.parametrize(("qtype", "block_bytes"), [(Q.Q4_0, 18), (Q.Q8_0, 34)])
+def test_quantized_weights_are_held_in_the_files_bytes(qtype, block_bytes):
+    """Q4_0: 16 nibble bytes + the fp16 scale a block of 32, 18 bytes as in the file; Q8_0: 32
+    int8 + the scale, 34. The start-up memory check counts as much. No float32 expansion
+    until the f32 mode asks for `dense`."""
     tensor = weight(np.random.default_rng(7), 1536, 576, qtype)
     matrix = CpuBackend(hparams(), 1, 1).linear(tensor)
     assert matrix.quants.dtype == (np.uint8 if qtype == Q.Q4_0 else np.int8)
-    assert matrix.nbytes == weight_bytes(tensor) <= 1.12 * tensor.data.nbytes
+    assert matrix.scales.dtype == np.uint16  # fp16 bits
+    assert matrix.nbytes == 1536 * 576 // 32 * block_bytes == tensor.data.nbytes
+    assert weight_bytes(tensor) == matrix.nbytes
     assert "dense" not in vars(matrix)  # the cached float32 expansion was never built
 
 
@@ -265,7 +292,7 @@ caching.CacheImpl._locator_classes = []  # as where no cache directory is writab
 from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
 
 quants = np.arange(2 * 16 * 3, dtype=np.uint8).reshape(2, 16, 3)
-matrix = BlockMatrix(quants, np.full((2, 3), 0.5, np.float32))
+matrix = BlockMatrix(quants, np.full((2, 3), 0.5, np.float16))
 x = np.linspace(-1, 1, 2 * 96, dtype=np.float32).reshape(2, 96)
 assert np.array_equal(q8_matmul(x, matrix), q8_matmul_reference(x, matrix))
 print("ok")

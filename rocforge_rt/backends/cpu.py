@@ -1,7 +1,7 @@
 """CPU backend: the numerical reference, in numpy and a compiled (numba) matmul.
 
-Q4_0 and Q8_0 weights stay quantized in memory: their blocks' packed quants and scales
-(`BlockMatrix`), about the file's bytes; F16/F32 ones are dequantized to float32 at load.
+Q4_0 and Q8_0 weights stay quantized in memory: their blocks' packed quants and fp16 scales
+(`BlockMatrix`), the file's bytes; F16/F32 ones are dequantized to float32 at load.
 The KV pool is float16, as on the GPU and in llama.cpp. Matmul inputs are, by default,
 quantized to int8 per 32-element block first (`activations="q8"`): the arithmetic of the
 GPU's dp4a GEMVs and of llama.cpp's Q4_0 x Q8_0 dot products, so results compare tightly
@@ -66,22 +66,23 @@ def dequantize(tensor: WeightTensor) -> np.ndarray:
 
 
 class BlockMatrix:
-    """A Q4_0/Q8_0 matrix [n_out, n_in] kept quantized: its blocks' packed quants and scales.
+    """A Q4_0/Q8_0 matrix [n_out, n_in] kept quantized: its blocks' packed quants and fp16
+    scales (18 or 34 bytes a block of 32, as in the file).
 
     Built from the file's quant bytes per output row element-major (byte j of every block
     side by side): Q4_0 uint8 [n_out, 16, n_blocks] (element j in the low nibble of byte j,
     j + 16 in the high; the integer is nibble - 8), Q8_0 int8 [n_out, 32, n_blocks]; and
-    the f16 scales as float32 [n_out, n_blocks]; value = scale * integer, exactly. Rows of
-    tensors of both types stacked in one matrix are all kept as int8 (`nibbles` False).
+    the fp16 scales [n_out, n_blocks]; value = scale * integer, exactly. Rows of tensors of
+    both types stacked in one matrix are all kept as int8 (`nibbles` False).
 
     Held tiled, the compiled kernels' layout (`cpu_kernels`): the rows in tiles of LANES (the
     last one narrower), a tile block by block, a block as the pairs of its bytes (bytes 2k
     and 2k + 1: a 16-bit word) of every row of the tile side by side. `quants` is those
     bytes, flat (the file's quant bytes, in that order), `words` the same memory as uint16
-    (Q4_0) or int16 words; `scales` is flat as well, [n_blocks, width] a tile. `integers`
-    reads rows back. `dense` (and `.T`, so that `x @ m.T` works as for an array) is the
-    float32 matrix, built on first use: the float32 reference mode's (`activations="f32"`)
-    and the tests'.
+    (Q4_0) or int16 words; `scales` (fp16 bits, uint16) is flat as well, [n_blocks, width] a
+    tile: the kernels take them to float32, exactly. `integers` reads rows back. `dense`
+    (and `.T`, so that `x @ m.T` works as for an array) is the float32 matrix, built on
+    first use: the float32 reference mode's (`activations="f32"`) and the tests'.
     """
 
     def __init__(self, quants: np.ndarray, scales: np.ndarray) -> None:
@@ -89,7 +90,8 @@ class BlockMatrix:
         self.nibbles = quants.dtype == np.uint8
         self.shape = (n_out, n_blocks * Q8_BLOCK)
         self.quants = _tiled(quants.reshape(n_out, per_block // 2, 2, n_blocks))
-        self.scales = _tiled(scales.reshape(n_out, 1, 1, n_blocks).astype(np.float32))
+        halves = np.asarray(scales, dtype=np.float16).view(np.uint16)
+        self.scales = _tiled(halves.reshape(n_out, 1, 1, n_blocks))
         self.words = self.quants.view(np.uint16 if self.nibbles else np.int16)
 
     @property
@@ -109,7 +111,7 @@ class BlockMatrix:
 
     def integers(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows `ids` of the matrix: their integers int8 [len(ids), n_blocks, 32] and scales
-        [len(ids), n_blocks]."""
+        (float32) [len(ids), n_blocks]."""
         n_out, n_blocks = self.shape[0], self.shape[1] // Q8_BLOCK
         per_block = self.quants.size // (n_out * n_blocks)  # bytes a block: 16 or 32
         first = ids - ids % LANES  # each row's tile: its first row, its width; the row's lane
@@ -120,7 +122,7 @@ class BlockMatrix:
             tile * per_block + (block * per_block + byte - byte % 2) * width + 2 * lane + byte % 2
         ]
         scales = self.scales[tile[..., 0] + np.arange(n_blocks) * width[..., 0] + lane[..., 0]]
-        return _as_int8(quants, axis=-1), scales
+        return _as_int8(quants, axis=-1), scales.view(np.float16).astype(np.float32)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of the matrix as float32 [len(ids), n_in] (an embedding lookup); only
@@ -154,12 +156,12 @@ def _tiled(values: np.ndarray) -> np.ndarray:
 
 
 def _block_quants(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_0/Q8_0 tensor's quant bytes [n_out, 16 or 32, n_blocks] and float32 scales."""
+    """A Q4_0/Q8_0 tensor's quant bytes [n_out, 16 or 32, n_blocks] and fp16 scales."""
     n_out = tensor.shape[0]
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(
         n_out, -1, _BLOCK_BYTES[tensor.ggml_type]
     )
-    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
     quants = np.ascontiguousarray(blocks[..., 2:].transpose(0, 2, 1))
     if tensor.ggml_type == GGMLQuantizationType.Q8_0:
         quants = quants.view(np.int8)
@@ -176,13 +178,11 @@ def _as_int8(nibbles: np.ndarray, axis: int) -> np.ndarray:
 
 
 def weight_bytes(tensor: WeightTensor) -> int:
-    """Bytes the CPU backend holds for a tensor: Q4_0/Q8_0 packed with float32 scales
-    (20 or 36 bytes a block of 32), any other type as float32."""
+    """Bytes the CPU backend holds for a tensor: Q4_0/Q8_0 as the file's blocks (18 or 34
+    bytes a block of 32), any other type as float32."""
     n = int(np.prod(tensor.shape))
-    if tensor.ggml_type == GGMLQuantizationType.Q4_0:
-        return n // Q8_BLOCK * 20
-    if tensor.ggml_type == GGMLQuantizationType.Q8_0:
-        return n // Q8_BLOCK * 36
+    if is_block_quantized(tensor):
+        return n // Q8_BLOCK * _BLOCK_BYTES[tensor.ggml_type]
     return n * 4
 
 
@@ -271,7 +271,7 @@ def compile_kernels() -> None:
     model file's), RoPE (of one row, and of a chunk's rows: strided), float16 to float32."""
     x = np.ones((1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
-        q8_matmul(x, BlockMatrix(packed, np.ones((1, 1), dtype=np.float32)))
+        q8_matmul(x, BlockMatrix(packed, np.ones((1, 1), dtype=np.float16)))
     gain = np.ones(Q8_BLOCK, dtype=np.float32)
     gain.flags.writeable = False
     rms_norm_rows(x, gain, 1e-5, np.empty_like(x))

@@ -128,7 +128,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
     resolved = resolve_backend_name(config.backend)
     if limit is None:
         limit = device_memory_bytes(resolved)
-    # What the backend allocates for them (the CPU: packed quants with float32 scales).
+    # What the backend allocates for them (the CPU: the quantized blocks as in the file).
     weights = weights_memory_bytes(resolved, model.tensors.values())
     check_memory(
         kv_bytes=kv,
