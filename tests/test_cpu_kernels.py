@@ -90,7 +90,7 @@ rng = np.random.default_rng(0)
 scales = rng.choice(halves[np.isfinite(halves)], (130, 5))  # subnormals and all
 x = rng.standard_normal((3, 160)).astype(np.float32)
 for low, high, size, dtype in ((0, 256, 16, np.uint8), (-128, 128, 32, np.int8)):
-    matrix = BlockMatrix(rng.integers(low, high, (130, size, 5), dtype), scales)
+    matrix = BlockMatrix.from_blocks(rng.integers(low, high, (130, 5, size), dtype), scales)
     got, expected = q8_matmul(x, matrix), q8_matmul_reference(x, matrix)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 print("ok")

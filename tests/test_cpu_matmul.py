@@ -124,11 +124,11 @@ def block_matrix(rng, n_out, n_in, nibbles):
     the bytes and scales it was built from."""
     n_blocks = n_in // 32
     if nibbles:
-        quants = rng.integers(0, 256, (n_out, 16, n_blocks), dtype=np.uint8)
+        quants = rng.integers(0, 256, (n_out, n_blocks, 16), dtype=np.uint8)
     else:
-        quants = rng.integers(-128, 128, (n_out, 32, n_blocks), dtype=np.int8)
+        quants = rng.integers(-128, 128, (n_out, n_blocks, 32), dtype=np.int8)
     scales = rng.random((n_out, n_blocks)).astype(np.float16)
-    return BlockMatrix(quants, scales), quants, scales
+    return BlockMatrix.from_blocks(quants, scales), quants, scales
 
 
 @pytest.mark.parametrize("nibbles", [True, False])
@@ -143,10 +143,10 @@ def test_a_tiled_matrix_gives_back_each_rows_integers_and_scales(n_out, n_in, ni
     assert matrix.nbytes == quants.nbytes + scales.nbytes
     if nibbles:
         low, high = (quants & 15).astype(np.int8) - 8, (quants >> 4).astype(np.int8) - 8
-        quants = np.concatenate([low, high], axis=1)
+        quants = np.concatenate([low, high], axis=-1)
     ids = rng.permutation(n_out)
     ints, row_scales = matrix.integers(ids)
-    assert np.array_equal(ints, quants[ids].transpose(0, 2, 1))
+    assert np.array_equal(ints, quants[ids])
     assert row_scales.dtype == np.float32
     assert np.array_equal(row_scales, scales[ids].astype(np.float32))
 
@@ -162,10 +162,10 @@ def test_the_tiled_kernels_are_the_canonical_sum_whatever_the_tiles_width(n_out,
     matrix = block_matrix(rng, n_out, n_in, nibbles)[0]
     n_blocks = n_in // 32
     if nibbles:  # every integer -8
-        lowest, low = np.zeros((n_out, 16, n_blocks), np.uint8), -8
+        lowest, low = np.zeros((n_out, n_blocks, 16), np.uint8), -8
     else:
-        lowest, low = np.full((n_out, 32, n_blocks), -128, np.int8), -128
-    extreme = BlockMatrix(lowest, np.ones((n_out, n_blocks), np.float16))
+        lowest, low = np.full((n_out, n_blocks, 32), -128, np.int8), -128
+    extreme = BlockMatrix.from_blocks(lowest, np.ones((n_out, n_blocks), np.float16))
     for rows in (1, 2, 3, 8):
         x = rng.standard_normal((rows, n_in)).astype(np.float32)
         x[0] = np.float32(127 / 128)  # every integer 127, d_x = 2^-7 (an fp16)
@@ -189,17 +189,21 @@ def test_the_kernels_take_every_finite_fp16_scale_exactly(nibbles):
     rng = np.random.default_rng(9)
     quants = block_matrix(rng, 130, 160, nibbles)[1]
     scales = np.resize(SPECIAL_SCALES, 130)[:, None].repeat(5, axis=1)
-    matrix = BlockMatrix(quants, scales)
+    matrix = BlockMatrix.from_blocks(quants, scales)
     x = rng.standard_normal((3, 160)).astype(np.float32)
     expected = q8_matmul_reference(x, matrix)
     assert np.count_nonzero(expected) == 3 * 130 - 3 * 2 * 11  # but the rows of zero scales
     assert np.array_equal(bits(q8_matmul(x, matrix)), bits(expected))
 
 
-def test_q4_0_and_q8_0_rows_stacked_in_one_matrix_keep_their_values():
+@pytest.mark.parametrize("qtypes", [(Q.Q4_0, Q.Q4_0, Q.Q4_0), (Q.Q4_0, Q.Q8_0, Q.Q4_0)])
+def test_tensors_stacked_in_one_matrix_keep_their_values_across_tiles(qtypes):
+    """Rows of 70, 30 and 5 stacked (as Q|K|V): tiles of LANES rows that take rows of two
+    tensors; Q4_0 beside Q8_0 held as int8."""
     rng = np.random.default_rng(6)
-    parts = [weight(rng, 64, 96, Q.Q4_0), weight(rng, 32, 96, Q.Q8_0)]
+    parts = [weight(rng, n, 96, qtype) for n, qtype in zip((70, 30, 5), qtypes, strict=True)]
     matrix = BlockMatrix.from_tensors(*parts)
+    assert matrix.nibbles == (Q.Q8_0 not in qtypes)
     dense = np.concatenate([dequantize(t) for t in parts])
     assert np.array_equal(matrix.dense, dense)
     x = rng.standard_normal((3, 96)).astype(np.float32)
@@ -245,32 +249,50 @@ def test_the_start_up_memory_budget_counts_what_the_cpu_backend_holds(tiny_model
 
 RSS_SCRIPT = """
 import json, sys
+from rocforge_rt.backends import weights_memory_bytes
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import load_model_file
 import rocforge_rt.backends.cpu  # numba and llvmlite: loaded before the first reading
 
-def rss():
+def status(key):
     with open("/proc/self/status") as status:
-        return next(int(l.split()[1]) * 1024 for l in status if l.startswith("VmRSS:"))
+        return next(int(l.split()[1]) * 1024 for l in status if l.startswith(key + ":"))
 
-start = rss()
+start = status("VmRSS")
 model = load_model_file(sys.argv[1])  # the metadata (vocabulary, merges) as Python objects
-before = rss()
+before = status("VmRSS")
+try:  # VmHWM from here on: the load's peak (reading the metadata has one of its own)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    reset = True
+except OSError:
+    reset = False
 engine = Engine.load(model, backend="cpu", n_ctx=256)
-after = rss()
-kv = sum(a.nbytes for a in engine.backend.k_cache + engine.backend.v_cache)
-tensors = sum(t.nbytes for t in engine.model.tensors.values())
-print(json.dumps({"start": start, "before": before, "after": after, "kv": kv, "tensors": tensors}))
+after, peak = status("VmRSS"), status("VmHWM")
+tensors = [t.nbytes for t in model.tensors.values()]
+print(json.dumps({
+    "start": start, "before": before, "after": after, "peak": peak if reset else None,
+    "kv": sum(a.nbytes for a in engine.backend.k_cache + engine.backend.v_cache),
+    "tensors": sum(tensors), "largest": max(tensors),
+    "counted": weights_memory_bytes("cpu", model.tensors.values()),
+}))
 """
 
 
 @pytest.mark.slow
-def test_resident_memory_after_loading_the_default_model_is_about_its_file_size(default_model):
-    """VmRSS of a fresh process grows by at most 1.2x the GGUF's tensor bytes, plus the KV
-    pool, plus 24 MiB (tokenizer, RoPE tables) when Engine.load takes the default model's
-    file (read before: its metadata as Python objects, ~50 MiB, within 96 MiB from the
-    start): the weights stay quantized, and the file's mapped pages leave the resident set
-    after the upload. (The float32 expansion made it ~8x.)"""
+def test_resident_memory_after_loading_the_default_model_is_what_the_memory_check_counts(
+    default_model,
+):
+    """Over Engine.load of the default model's file (read before: its metadata as Python
+    objects, ~50 MiB), VmRSS of a fresh process grows by the start-up memory check's figure
+    (the weights as the backend holds them, plus the KV pool) within 10%; by at most 1.2x
+    the GGUF's tensor bytes, plus the KV pool, plus 24 MiB (tokenizer, RoPE tables); and
+    within 96 MiB more from the start. Its peak during the load is at most that figure plus
+    the largest tensor (the file pages of the one being copied) plus 24 MiB: the weights
+    stay quantized as in the file, read a tile at a time, and each tensor's mapped pages
+    leave the resident set once it is copied. (The float32 expansion made it ~8x; float32
+    scales, and the file's pages kept to the upload's end: 1.17x the tensor bytes plus the
+    KV pool, the peak 2.65x; now 1.01x and 1.38x.)"""
     import json
     import subprocess
     import sys
@@ -280,8 +302,13 @@ def test_resident_memory_after_loading_the_default_model_is_about_its_file_size(
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     m = json.loads(done.stdout.splitlines()[-1])
-    assert m["after"] - m["before"] <= 1.2 * m["tensors"] + m["kv"] + (24 << 20), m
+    grown, counted = m["after"] - m["before"], m["counted"] + m["kv"]
+    assert abs(grown - counted) <= 0.1 * counted, m
+    assert grown <= 1.2 * m["tensors"] + m["kv"] + (24 << 20), m
     assert m["after"] - m["start"] <= 1.2 * m["tensors"] + m["kv"] + (96 << 20), m
+    if m["peak"] is None:
+        pytest.skip("VmHWM cannot be reset here (/proc/self/clear_refs)")
+    assert m["peak"] - m["before"] <= counted + m["largest"] + (24 << 20), m
 
 
 NO_CACHE_SCRIPT = """
@@ -291,8 +318,8 @@ from numba.core import caching
 caching.CacheImpl._locator_classes = []  # as where no cache directory is writable
 from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
 
-quants = np.arange(2 * 16 * 3, dtype=np.uint8).reshape(2, 16, 3)
-matrix = BlockMatrix(quants, np.full((2, 3), 0.5, np.float16))
+quants = np.arange(2 * 3 * 16, dtype=np.uint8).reshape(2, 3, 16)
+matrix = BlockMatrix.from_blocks(quants, np.full((2, 3), 0.5, np.float16))
 x = np.linspace(-1, 1, 2 * 96, dtype=np.float32).reshape(2, 96)
 assert np.array_equal(q8_matmul(x, matrix), q8_matmul_reference(x, matrix))
 print("ok")

@@ -1,7 +1,8 @@
 """CPU backend: the numerical reference, in numpy and a compiled (numba) matmul.
 
 Q4_0 and Q8_0 weights stay quantized in memory: their blocks' packed quants and fp16 scales
-(`BlockMatrix`), the file's bytes; F16/F32 ones are dequantized to float32 at load.
+(`BlockMatrix`), the file's bytes, read from it a tile at a time; F16/F32 ones are
+dequantized to float32 at load.
 The KV pool is float16, as on the GPU and in llama.cpp. Matmul inputs are, by default,
 quantized to int8 per 32-element block first (`activations="q8"`): the arithmetic of the
 GPU's dp4a GEMVs and of llama.cpp's Q4_0 x Q8_0 dot products, so results compare tightly
@@ -69,11 +70,10 @@ class BlockMatrix:
     """A Q4_0/Q8_0 matrix [n_out, n_in] kept quantized: its blocks' packed quants and fp16
     scales (18 or 34 bytes a block of 32, as in the file).
 
-    Built from the file's quant bytes per output row element-major (byte j of every block
-    side by side): Q4_0 uint8 [n_out, 16, n_blocks] (element j in the low nibble of byte j,
-    j + 16 in the high; the integer is nibble - 8), Q8_0 int8 [n_out, 32, n_blocks]; and
-    the fp16 scales [n_out, n_blocks]; value = scale * integer, exactly. Rows of tensors of
-    both types stacked in one matrix are all kept as int8 (`nibbles` False).
+    A row's blocks are the file's: a Q4_0 block's 16 quant bytes (element j in the low nibble
+    of byte j, j + 16 in the high; the integer is nibble - 8) or a Q8_0 block's 32 int8, and
+    its scale as fp16 bits; value = scale * integer, exactly. Rows of tensors of both types
+    stacked in one matrix are all kept as int8 (`nibbles` False).
 
     Held tiled, the compiled kernels' layout (`cpu_kernels`): the rows in tiles of LANES (the
     last one narrower), a tile block by block, a block as the pairs of its bytes (bytes 2k
@@ -85,29 +85,63 @@ class BlockMatrix:
     first use: the float32 reference mode's (`activations="f32"`) and the tests'.
     """
 
-    def __init__(self, quants: np.ndarray, scales: np.ndarray) -> None:
-        n_out, per_block, n_blocks = quants.shape
-        self.nibbles = quants.dtype == np.uint8
-        self.shape = (n_out, n_blocks * Q8_BLOCK)
-        self.quants = _tiled(quants.reshape(n_out, per_block // 2, 2, n_blocks))
-        halves = np.asarray(scales, dtype=np.float16).view(np.uint16)
-        self.scales = _tiled(halves.reshape(n_out, 1, 1, n_blocks))
-        self.words = self.quants.view(np.uint16 if self.nibbles else np.int16)
+    def __init__(self, n_out: int, n_in: int, nibbles: bool) -> None:
+        """An n_out x n_in matrix of Q4_0 nibbles or int8, its rows to be put (`put_rows`)."""
+        n_blocks = n_out * n_in // Q8_BLOCK
+        self.nibbles = nibbles
+        self.shape = (n_out, n_in)
+        self.quants = np.empty(n_blocks * (16 if nibbles else 32), np.uint8 if nibbles else np.int8)
+        self.scales = np.empty(n_blocks, dtype=np.uint16)
+        self.words = self.quants.view(np.uint16 if nibbles else np.int16)
 
     @property
     def nbytes(self) -> int:
         return self.quants.nbytes + self.scales.nbytes
 
     @classmethod
+    def from_blocks(cls, quants: np.ndarray, scales: np.ndarray) -> "BlockMatrix":
+        """The matrix of quant bytes [n_out, n_blocks, 16 or 32] (Q4_0's uint8, or int8) and
+        fp16 scales [n_out, n_blocks]."""
+        n_out, n_blocks, _ = quants.shape
+        matrix = cls(n_out, n_blocks * Q8_BLOCK, quants.dtype == np.uint8)
+        words = np.ascontiguousarray(quants).view(matrix.words.dtype)
+        matrix.put_rows(0, words, np.asarray(scales, dtype=np.float16).view(np.uint16))
+        return matrix
+
+    @classmethod
     def from_tensors(cls, *tensors: WeightTensor) -> "BlockMatrix":
-        """The tensors' rows stacked (as Q|K|V or gate|up are)."""
-        parts = [_block_quants(t) for t in tensors]
-        if len({p[0].dtype for p in parts}) > 1:  # Q4_0 beside Q8_0: all as int8
-            parts = [(_as_int8(q, axis=1), s) for q, s in parts]
-        if len(parts) == 1:
-            return cls(*parts[0])
-        quants = np.concatenate([p[0] for p in parts], axis=0)
-        return cls(quants, np.concatenate([p[1] for p in parts], axis=0))
+        """The tensors' rows stacked (as Q|K|V or gate|up are), copied from the file's
+        blocks a tile's rows at a time."""
+        nibbles = all(t.ggml_type == GGMLQuantizationType.Q4_0 for t in tensors)
+        matrix = cls(sum(t.shape[0] for t in tensors), tensors[0].shape[1], nibbles)
+        start = 0
+        for tensor in tensors:
+            words, scales = _file_blocks(tensor)
+            expand = not nibbles and tensor.ggml_type == GGMLQuantizationType.Q4_0
+            for first in range(0, len(words), LANES):
+                part = words[first : first + LANES]
+                if expand:  # Q4_0 beside Q8_0: its nibbles as int8
+                    part = _as_int8(part.view(np.uint8), axis=-1)
+                part = part.view(matrix.words.dtype)
+                matrix.put_rows(start + first, part, scales[first : first + LANES])
+            start += len(words)
+        return matrix
+
+    def put_rows(self, start: int, words: np.ndarray, scales: np.ndarray) -> None:
+        """Rows start, start + 1, ... of the matrix, from their blocks' words [rows, n_blocks,
+        8 or 16] (`words`' type; any strides: a view of the file) and fp16 bits [rows,
+        n_blocks], into the tiles they fall in."""
+        n_out, n_blocks = self.shape[0], self.shape[1] // Q8_BLOCK
+        per_block = self.words.size // (n_out * n_blocks)  # words a block: 8 or 16
+        stop = start + len(words)
+        for first in range(start - start % LANES, stop, LANES):
+            width = min(LANES, n_out - first)
+            low, high = max(start, first), min(stop, first + width)
+            span = slice(first * n_blocks, (first + width) * n_blocks)
+            tile = self.words[span.start * per_block : span.stop * per_block]
+            lanes, rows = slice(low - first, high - first), slice(low - start, high - start)
+            tile.reshape(n_blocks, per_block, width)[:, :, lanes] = words[rows].transpose(1, 2, 0)
+            self.scales[span].reshape(n_blocks, width)[:, lanes] = scales[rows].T
 
     def integers(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows `ids` of the matrix: their integers int8 [len(ids), n_blocks, 32] and scales
@@ -148,24 +182,12 @@ def is_block_quantized(tensor: WeightTensor) -> bool:
     return tensor.ggml_type in _BLOCK_BYTES
 
 
-def _tiled(values: np.ndarray) -> np.ndarray:
-    """values [n_out, pairs, 2, n_blocks] (a matrix's bytes, or its scales as [n_out, 1, 1,
-    n_blocks]) tiled, flat: tiles of LANES rows, each [n_blocks, pairs, width, 2]."""
-    starts = range(0, len(values), LANES)
-    return np.concatenate([values[i : i + LANES].transpose(3, 1, 0, 2).ravel() for i in starts])
-
-
-def _block_quants(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_0/Q8_0 tensor's quant bytes [n_out, 16 or 32, n_blocks] and fp16 scales."""
-    n_out = tensor.shape[0]
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(
-        n_out, -1, _BLOCK_BYTES[tensor.ggml_type]
-    )
-    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-    quants = np.ascontiguousarray(blocks[..., 2:].transpose(0, 2, 1))
-    if tensor.ggml_type == GGMLQuantizationType.Q8_0:
-        quants = quants.view(np.int8)
-    return quants, scales
+def _file_blocks(tensor: WeightTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_0/Q8_0 tensor's blocks as the file's 16-bit words (views of its mapping): the
+    quants' [n_out, n_blocks, 8 or 16] and the scales' (fp16 bits) [n_out, n_blocks]."""
+    per_block = _BLOCK_BYTES[tensor.ggml_type] // 2
+    words = np.asarray(tensor.data).view(np.uint16).reshape(tensor.shape[0], -1, per_block)
+    return words[..., 1:], words[..., 0]
 
 
 def _as_int8(nibbles: np.ndarray, axis: int) -> np.ndarray:
@@ -186,15 +208,27 @@ def weight_bytes(tensor: WeightTensor) -> int:
     return n * 4
 
 
-def drop_mapped_pages(tensors: Iterable[WeightTensor]) -> None:
-    """Drop the file pages mapped for these tensors from the process's resident set
-    (MADV_DONTNEED on the GGUF's read-only mapping: they stay in the page cache, and a later
-    read maps them again). The CPU backend keeps copies, so after the upload they are idle."""
-    maps = {id(m): m for t in tensors if (m := getattr(t.data, "_mmap", None)) is not None}
-    for mapping in maps.values():
-        if hasattr(mmap, "MADV_DONTNEED"):
-            with contextlib.suppress(OSError, ValueError):  # closed, or not supported
+def drop_mapped_pages(tensors: Iterable[WeightTensor], whole_files: bool = False) -> None:
+    """Drop the file pages holding these tensors' data (rounded out to whole pages), or with
+    `whole_files` every page of their files' mappings, from the process's resident set:
+    MADV_DONTNEED on the GGUF's read-only mapping; they stay in the page cache, and a later
+    read maps them again. The CPU backend keeps copies, so once a tensor is uploaded its
+    pages are idle."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    dropped = set()  # the mappings dropped whole
+    for tensor in tensors:
+        mapping = getattr(tensor.data, "_mmap", None)
+        if mapping is None or id(mapping) in dropped:
+            continue
+        with contextlib.suppress(OSError, ValueError):  # closed, or not supported
+            if whole_files:
+                dropped.add(id(mapping))
                 mapping.madvise(mmap.MADV_DONTNEED)
+                continue
+            offset = tensor.data.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
+            start = offset - offset % mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_DONTNEED, start, offset + tensor.data.nbytes - start)
 
 
 def physical_cores() -> int:
@@ -270,8 +304,8 @@ def compile_kernels() -> None:
     it gives them: the matmul of both weight layouts, RMSNorm (its gain read-only, as a
     model file's), RoPE (of one row, and of a chunk's rows: strided), float16 to float32."""
     x = np.ones((1, Q8_BLOCK), dtype=np.float32)
-    for packed in (np.zeros((1, 16, 1), np.uint8), np.zeros((1, 32, 1), np.int8)):
-        q8_matmul(x, BlockMatrix(packed, np.ones((1, 1), dtype=np.float16)))
+    for packed in (np.zeros((1, 1, 16), np.uint8), np.zeros((1, 1, 32), np.int8)):
+        q8_matmul(x, BlockMatrix.from_blocks(packed, np.ones((1, 1), dtype=np.float16)))
     gain = np.ones(Q8_BLOCK, dtype=np.float32)
     gain.flags.writeable = False
     rms_norm_rows(x, gain, 1e-5, np.empty_like(x))
@@ -429,14 +463,20 @@ class CpuBackend:
 
     # --- weights -------------------------------------------------------------------
     def weights_uploaded(self, tensors: Iterable[WeightTensor]) -> None:
-        """After the upload: the weights are copies, so the file's pages leave the RSS."""
-        drop_mapped_pages(tensors)
+        """After the upload: the weights are copies, so the file's pages (the header's too)
+        leave the RSS."""
+        drop_mapped_pages(tensors, whole_files=True)
 
     def linear(self, *tensors: WeightTensor) -> BlockMatrix | np.ndarray:
-        """A BlockMatrix where every tensor is Q4_0/Q8_0, else float32 [n_out, n_in]."""
+        """A BlockMatrix where every tensor is Q4_0/Q8_0, else float32 [n_out, n_in]; the
+        tensors' file pages leave the RSS right after, so that the load's peak is about the
+        weights held plus the matrix in hand."""
         if all(is_block_quantized(t) for t in tensors):
-            return BlockMatrix.from_tensors(*tensors)
-        return np.ascontiguousarray(np.concatenate([dequantize(t) for t in tensors], axis=0))
+            matrix = BlockMatrix.from_tensors(*tensors)
+        else:
+            matrix = np.ascontiguousarray(np.concatenate([dequantize(t) for t in tensors]))
+        drop_mapped_pages(tensors)
+        return matrix
 
     def vector(self, tensor: WeightTensor) -> np.ndarray:
         return dequantize(tensor)
