@@ -154,7 +154,7 @@ def test_a_tiled_matrix_gives_back_each_rows_integers_and_scales(n_out, n_in, ni
 @pytest.mark.parametrize("nibbles", [True, False])
 @pytest.mark.parametrize(("n_out", "n_in"), [(1, 32), (63, 96), (64, 64), (65, 160), (130, 96)])
 def test_the_tiled_kernels_are_the_canonical_sum_whatever_the_tiles_width(n_out, n_in, nibbles):
-    """q8_q4_matmul and q8_q8_matmul (up to 8 rows: decode) against q8_matmul_reference, bit
+    """q8_tiled_matmul of both layouts (up to 8 rows: decode) against q8_matmul_reference, bit
     for bit: tiles of LANES rows and a narrower last one, odd block counts (a last stage of
     one block), one to eight rows, and the integer extremes (activations of +-127 against
     Q4_0's -8 or int8's -128: block dots of -32512, at int16's edge)."""
@@ -340,11 +340,13 @@ def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
     """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel a step
     takes (the matmul of the Q4_0 and int8 layouts, RMSNorm, RoPE of one row and of a
     chunk's strided rows, float16 to float32) is compiled."""
+    from numba import types
+
     from rocforge_rt.backends import cpu_kernels
 
     CpuBackend(hparams(), 1, 1, threads=1).warm_up()
-    for kernel in (cpu_kernels.q8_q4_matmul, cpu_kernels.q8_q8_matmul):
-        assert kernel.signatures
+    words = {signature[1].dtype for signature in cpu_kernels.q8_tiled_matmul.signatures}
+    assert words == {types.uint16, types.int16}
     for kernel in (cpu_kernels.rms_norm_rows, cpu_kernels.halves_to_singles):
         assert kernel.signatures
     assert len(cpu_kernels.rope_rows.signatures) >= 2

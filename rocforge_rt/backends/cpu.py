@@ -39,8 +39,7 @@ from rocforge_rt.backends.cpu_attention import attend
 from rocforge_rt.backends.cpu_kernels import (
     LANES,
     halves_to_singles,
-    q8_q4_matmul,
-    q8_q8_matmul,
+    q8_tiled_matmul,
     rms_norm_rows,
     rope_rows,
 )
@@ -294,8 +293,7 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     operations, in a fixed order, whatever the rows around it and the threads.
     """
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    kernel = q8_q4_matmul if weight.nibbles else q8_q8_matmul
-    kernel(np.ascontiguousarray(x, dtype=np.float32), weight.words, weight.scales, out)
+    q8_tiled_matmul(np.ascontiguousarray(x, dtype=np.float32), weight.words, weight.scales, out)
     return out
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import config
+from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
@@ -83,12 +83,17 @@ def _fold_lanes(b, n_blocks, d, scales, dots, stage, total):  # pragma: no cover
             total[i] = stage[i] if b < 2 else total[i] + stage[i]
 
 
+def _cpu_features() -> set[str]:
+    """The features of the CPU numba compiles for (NUMBA_CPU_FEATURES, else the host's)."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return {name[1:] for name in features.split(",") if name.startswith("+")}
+
+
 def _converts_halves() -> bool:
     """Whether the CPU numba compiles for converts fp16 to float32 in an instruction (x86's
     F16C: vcvtph2ps; AArch64): elsewhere LLVM's fpext from half calls a runtime function
     that numba's JIT does not link (x86 without F16C: a crash)."""
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return platform.machine().lower() in ("aarch64", "arm64") or "+f16c" in features.split(",")
+    return platform.machine().lower() in ("aarch64", "arm64") or "f16c" in _cpu_features()
 
 
 def _single_in_integers(builder: ir.IRBuilder, half: ir.Value) -> ir.Value:
@@ -149,34 +154,212 @@ def halves_to_singles(halves, out):  # pragma: no cover - compiled
 @compiled(inline="always")
 def _tile(quants, scales, n_out, n_blocks, t):  # pragma: no cover - compiled
     """Tile t of a tiled matrix (`cpu.BlockMatrix`): its first row, its width (LANES, fewer
-    in the last tile), its words [n_blocks, words a block, width] and scales [n_blocks,
-    width] (fp16 bits)."""
+    in the last tile), its words [n_blocks, words a block, LANES] (a narrow tile's copied
+    into a full one's, zeros beside them) and its scales as float32 [n_blocks, width]
+    (`_singles` of its fp16 bits)."""
     first = t * LANES
     width = min(LANES, n_out - first)
     per_block = quants.shape[0] // (n_out * n_blocks)
     words = quants[first * n_blocks * per_block : (first + width) * n_blocks * per_block]
-    d_w = scales[first * n_blocks : (first + width) * n_blocks]
-    return first, width, words.reshape((n_blocks, per_block, width)), d_w.reshape((n_blocks, width))
+    words = words.reshape((n_blocks, per_block, width))
+    if width < LANES:
+        full = np.zeros((n_blocks, per_block, LANES), dtype=quants.dtype)
+        full[:, :, :width] = words
+        words = full
+    d_w = np.empty(n_blocks * width, dtype=np.float32)
+    _singles(scales[first * n_blocks : (first + width) * n_blocks], d_w)
+    return first, width, words, d_w.reshape((n_blocks, width))
 
 
-@compiled(inline="always")
-def _nibble_dot(word, x, k):  # pragma: no cover - compiled
-    """A Q4_0 word's part of its block's dot with activations x (int16 [32]): word k holds
-    elements 2k and 2k + 16 (byte 2k's nibbles), 2k + 1 and 2k + 17; integer = nibble - 8."""
-    eight = np.int16(8)
-    p0 = np.int16(x[2 * k] * (np.int16(word & 15) - eight))
-    p1 = np.int16(x[2 * k + 16] * (np.int16((word >> 4) & 15) - eight))
-    p2 = np.int16(x[2 * k + 1] * (np.int16((word >> 8) & 15) - eight))
-    p3 = np.int16(x[2 * k + 17] * (np.int16(word >> 12) - eight))
-    return np.int16(np.int16(p0 + p1) + np.int16(p2 + p3))
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+# x86's multiply-add of unsigned by signed bytes, adjacent products summed into int16 (pmaddubsw):
+# the feature, the bytes an instruction takes, its LLVM intrinsic; the CPU's widest is taken
+_BYTE_PAIRS = (
+    ("avx512bw", 64, "llvm.x86.avx512.pmaddubs.w.512"),
+    ("avx2", 32, "llvm.x86.avx2.pmadd.ub.sw"),
+    ("ssse3", 16, "llvm.x86.ssse3.pmadd.ub.sw.128"),
+)
 
 
-@compiled(inline="always")
-def _pair_dot(word, x, k):  # pragma: no cover - compiled
-    """An int8 word's part of its block's dot with activations x (int16 [32]): word k holds
-    elements 2k (low byte) and 2k + 1 (high); |sum| <= 2 * 127 * 128 fits int16."""
-    low = np.int16(np.int16(word << 8) >> 8)
-    return np.int16(np.int16(x[2 * k] * low) + np.int16(x[2 * k + 1] * np.int16(word >> 8)))
+def _has_vnni() -> bool:
+    """Whether the CPU has AVX-512 VNNI's vpdpbusd (and AVX-512BW's byte operations)."""
+    return {"avx512vnni", "avx512bw"} <= _cpu_features()
+
+
+def _vector(element: ir.IntType, value: int, n: int) -> ir.Constant:
+    return ir.Constant(ir.VectorType(element, n), [value] * n)
+
+
+def _shuffle(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, mask: list[int]) -> ir.Value:
+    """Elements of a, then of b, at `mask`'s indices (LLVM's shufflevector)."""
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(mask)), mask))
+
+
+def _splat(builder: ir.IRBuilder, vector: ir.Value, index: int, n: int) -> ir.Value:
+    """Element `index` of vector, n times."""
+    return _shuffle(builder, vector, ir.Constant(vector.type, ir.Undefined), [index] * n)
+
+
+def _parts(builder: ir.IRBuilder, vector: ir.Value, n: int) -> list[ir.Value]:
+    """vector in parts of n elements."""
+    count = vector.type.count
+    return [_shuffle(builder, vector, vector, list(range(i, i + n))) for i in range(0, count, n)]
+
+
+def _joined(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    """The parts (a power of two of them, of one type) as one vector, in order."""
+    while len(parts) > 1:
+        mask = list(range(2 * parts[0].type.count))
+        parts = [
+            _shuffle(builder, a, b, mask) for a, b in zip(parts[::2], parts[1::2], strict=True)
+        ]
+    return parts[0]
+
+
+def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
+    """A call of LLVM's x86 intrinsic `name`."""
+    function = ir.FunctionType(result, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, function, name), args)
+
+
+def _byte_pairs(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """<n x i16>: element i = a[2i] * b[2i] + a[2i + 1] * b[2i + 1] of <2n x i8> a (unsigned)
+    and b (signed), each such sum within int16: pmaddubsw (which saturates) at the CPU's
+    widest, else LLVM's generic vector operations."""
+    features = _cpu_features()
+    for feature, width, name in _BYTE_PAIRS:
+        if feature in features:
+            pairs = zip(_parts(builder, a, width), _parts(builder, b, width), strict=True)
+            result = ir.VectorType(I16, width // 2)
+            return _joined(builder, [_x86(builder, name, result, p, q) for p, q in pairs])
+    n = a.type.count
+    products = builder.mul(
+        builder.zext(a, ir.VectorType(I16, n)), builder.sext(b, ir.VectorType(I16, n))
+    )
+    even, odd = (_shuffle(builder, products, products, list(range(j, n, 2))) for j in (0, 1))
+    return builder.add(even, odd)
+
+
+def _word(builder: ir.IRBuilder, words: ir.Value, k: int) -> ir.Value:
+    """Word k of every lane of a block (<LANES x i16>)."""
+    pointer = builder.bitcast(
+        builder.gep(words, [I32(k * LANES)]), ir.VectorType(I16, LANES).as_pointer()
+    )
+    return builder.load(pointer, align=2)
+
+
+def _nibble_dots(
+    builder: ir.IRBuilder, words: ir.Value, pairs: ir.Value, x_sum: ir.Value
+) -> ir.Value:
+    """A Q4_0 block's dots (<LANES x i32>) of its 8 words (word k of a lane: its elements 2k,
+    2k + 16, 2k + 1, 2k + 17, a nibble each from bit 0; integer = nibble - 8): a word's
+    nibbles as bytes [2k, 2k + 1] (the mask 0x0F0F) and [2k + 16, 2k + 17] (shifted by 4),
+    each against x's pair (`_byte_pairs`: at most 2 * 15 * 127), summed from -8 * x_sum in
+    int16, wrapping: the dot itself is within 32 * 8 * 127."""
+    nibbles = ir.VectorType(I8, 2 * LANES)
+    start = builder.trunc(builder.mul(x_sum, I32(-8)), I16)
+    total = builder.insert_element(
+        ir.Constant(ir.VectorType(I16, LANES), ir.Undefined), start, I32(0)
+    )
+    total = _splat(builder, total, 0, LANES)
+    for k in range(8):
+        word = _word(builder, words, k)
+        for pair, shifted in ((k, word), (k + 8, builder.lshr(word, _vector(I16, 4, LANES)))):
+            split = builder.bitcast(builder.and_(shifted, _vector(I16, 0x0F0F, LANES)), nibbles)
+            x_pair = builder.bitcast(_splat(builder, pairs, pair, LANES), nibbles)
+            total = builder.add(total, _byte_pairs(builder, split, x_pair))
+    return builder.sext(total, ir.VectorType(I32, LANES))
+
+
+def _vnni_pair_dots(
+    builder: ir.IRBuilder, words: ir.Value, pairs: ir.Value, x_sum: ir.Value
+) -> ir.Value:
+    """An int8 block's dots (<LANES x i32>) of its 16 words (word k of a lane: its elements 2k
+    and 2k + 1, a byte each) by vpdpbusd, which sums 4 products of unsigned by signed bytes
+    into an int32: the weights offset to unsigned (+128: xor 0x80; the sums start from -128
+    * x_sum), a dword holding a word of lanes 2m and 2m + 1, against x's pair in the low
+    half (lane 2m's sum) and in the high half (2m + 1's), the two sums interleaved at the end."""
+    quads = ir.VectorType(I32, 16)
+    low = builder.zext(pairs, quads)
+    high = builder.shl(low, _vector(I32, 16, 16))
+    start = builder.insert_element(
+        ir.Constant(quads, ir.Undefined), builder.mul(x_sum, I32(-128)), I32(0)
+    )
+    sums = [[_splat(builder, start, 0, 16)] * (LANES // 32) for _ in range(2)]  # lanes 2m, 2m + 1
+    for k in range(16):
+        word = builder.xor(_word(builder, words, k), _vector(I16, 0x8080, LANES))
+        parts = _parts(builder, builder.bitcast(word, ir.VectorType(I32, LANES // 2)), 16)
+        for half, x_pair in zip(sums, (low, high), strict=True):
+            x_pair = _splat(builder, x_pair, k, 16)
+            half[:] = [
+                _x86(builder, "llvm.x86.avx512.vpdpbusd.512", quads, s, p, x_pair)
+                for s, p in zip(half, parts, strict=True)
+            ]
+    interleave = [i // 2 + 16 * (i % 2) for i in range(32)]
+    return _joined(
+        builder, [_shuffle(builder, e, o, interleave) for e, o in zip(*sums, strict=True)]
+    )
+
+
+def _pair_dots(
+    builder: ir.IRBuilder, words: ir.Value, pairs: ir.Value, x_sum: ir.Value
+) -> ir.Value:
+    """An int8 block's dots (<LANES x i32>) of its 16 words (word k of a lane: its elements 2k
+    and 2k + 1, a byte each): `_vnni_pair_dots` where the CPU has VNNI; else word by word |w|
+    against x by the sign of w (`_byte_pairs`: at most 2 * 128 * 127), widened to int32."""
+    if _has_vnni():
+        return _vnni_pair_dots(builder, words, pairs, x_sum)
+    lanes, weights = ir.VectorType(I32, LANES), ir.VectorType(I8, 2 * LANES)
+    zero = ir.Constant(weights, None)
+    total = ir.Constant(lanes, None)
+    for k in range(16):
+        w = builder.bitcast(_word(builder, words, k), weights)
+        x_pair = builder.bitcast(_splat(builder, pairs, k, LANES), weights)
+        negative = builder.icmp_signed("<", w, zero)
+        magnitude = builder.select(negative, builder.sub(zero, w), w)  # -128: 128 unsigned
+        signed = builder.select(negative, builder.sub(zero, x_pair), x_pair)
+        total = builder.add(total, builder.sext(_byte_pairs(builder, magnitude, signed), lanes))
+    return total
+
+
+@intrinsic
+def _block_dots(typingctx, tile, qx, sums, r, b, dots):
+    """dots (int32 [LANES]) = block b's integer dots, lane by lane, of a tile's words (tile:
+    [n_blocks, words a block, LANES], Q4_0's uint16: `_nibble_dots`; int8 pairs' int16:
+    `_pair_dots`) and activation row r's (qx: int16 [rows, n_blocks, 32], |x| <= 127; sums:
+    their sums, int32 [rows, n_blocks]). Arrays C-contiguous; indices in range."""
+    arrays = ((tile, (types.uint16, types.int16), 3), (qx, (types.int16,), 3),
+              (sums, (types.int32,), 2), (dots, (types.int32,), 1))  # fmt: skip
+    for array, dtypes, ndim in arrays:
+        if not isinstance(array, types.Array) or (array.ndim, array.layout) != (ndim, "C"):
+            return None
+        if array.dtype not in dtypes:
+            return None
+    if not (isinstance(r, types.Integer) and isinstance(b, types.Integer)):
+        return None
+    dot = _nibble_dots if tile.dtype == types.uint16 else _pair_dots
+
+    def codegen(context, builder, signature, args):
+        tile, qx, sums, r, b, dots = (
+            context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else
+            context.cast(builder, a, t, types.intp)
+            for t, a in zip(signature.args, args, strict=True)
+        )  # fmt: skip
+
+        def pointer(index: int, array: Any, *indices: ir.Value) -> ir.Value:
+            return cgutils.get_item_pointer(context, builder, signature.args[index], array, indices)
+
+        zero = ir.Constant(r.type, 0)
+        x = builder.bitcast(pointer(1, qx, r, b, zero), ir.VectorType(I16, 32).as_pointer())
+        x_bytes = builder.trunc(builder.load(x, align=2), ir.VectorType(I8, 32))
+        pairs = builder.bitcast(x_bytes, ir.VectorType(I16, 16))  # pair k: x[2k], x[2k + 1]
+        x_sum = builder.load(pointer(2, sums, r, b))
+        total = dot(builder, pointer(0, tile, b, zero, zero), pairs, x_sum)
+        builder.store(total, builder.bitcast(dots.data, total.type.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(tile, qx, sums, r, b, dots), codegen
 
 
 @compiled()
@@ -221,61 +404,42 @@ def _q8_rows(x):  # pragma: no cover - compiled
     return qx, sx
 
 
+@compiled(inline="always")
+def _block_sums(qx):  # pragma: no cover - compiled
+    """The sum of each block's activation integers (int32 [rows, n_blocks])."""
+    sums = np.zeros(qx.shape[:2], dtype=np.int32)
+    for r in range(qx.shape[0]):
+        for b in range(qx.shape[1]):
+            for j in range(32):
+                sums[r, b] += qx[r, b, j]
+    return sums
+
+
 @compiled(parallel=True)
-def q8_q4_matmul(x, words, scales, out):  # pragma: no cover - compiled
+def q8_tiled_matmul(x, words, scales, out):  # pragma: no cover - compiled
     """out[r, o] for rows x (float32 [rows, k]), quantized to int8 per block first
-    (`_q8_rows`, in the same call: 15 -> 14 us a 576 x 576 call), times tiled Q4_0 weights
-    (`cpu.BlockMatrix`: uint16 words, `_nibble_dot`). A tile's LANES outputs advance
-    together (lane i = output row first + i: one vector op takes a word of every lane), a
-    block's dot summed in int16
-    (32 products of at most 127 * 8: every partial sum within 2^15), its 8 words unrolled in
-    registers (72 -> 62 us a 3072 x 576 call against a dot kept in memory, word by word).
-    The weights' fp16 scales are taken to float32 a block at a time (`_singles`), into
-    lanes allocated with the sums': an allocation apiece (four a tile) cost a 3072 x 576
-    call ~2 us."""
+    (`_q8_rows`, in the same call: 15 -> 14 us a 576 x 576 call), times tiled weights
+    (`cpu.BlockMatrix`: Q4_0's uint16 words, or int8 pairs' int16: Q8_0, or Q4_0 rows
+    stacked beside Q8_0 ones). A tile's LANES outputs advance together (lane i = output row
+    first + i), a block's integer dots by `_block_dots`, its scales taken to float32 once
+    (`_tile`)."""
     qx, sx = _q8_rows(x)
     rows, n_blocks = sx.shape
+    sums = np.zeros((rows, n_blocks), dtype=np.int32)  # each block's sum of x
+    for r in range(rows):
+        for b in range(n_blocks):
+            for j in range(32):
+                sums[r, b] += qx[r, b, j]
     n_out = out.shape[1]
     for t in prange((n_out + LANES - 1) // LANES):
         first, width, tile, d_w = _tile(words, scales, n_out, n_blocks, t)
-        dots = np.empty(width, dtype=np.int16)
-        lanes = np.empty((3, width), dtype=np.float32)
-        d_w_b, stage, total = lanes[0], lanes[1], lanes[2]  # block b's scales, the sums
+        dots = np.empty(LANES, dtype=np.int32)
+        lanes = np.empty((2, width), dtype=np.float32)
+        stage, total, lane_dots = lanes[0], lanes[1], dots[:width]
         for r in range(rows):
             for b in range(n_blocks):
-                x = qx[r, b]
-                for i in range(width):
-                    dot = np.int16(0)
-                    for k in range(8):
-                        dot = np.int16(dot + _nibble_dot(tile[b, k, i], x, k))
-                    dots[i] = dot
-                _singles(d_w[b], d_w_b)
-                _fold_lanes(b, n_blocks, sx[r, b], d_w_b, dots, stage, total)
-            out[r, first : first + width] = total
-
-
-@compiled(parallel=True)
-def q8_q8_matmul(x, words, scales, out):  # pragma: no cover - compiled
-    """As q8_q4_matmul for tiled int8 weights (Q8_0, or Q4_0 rows stacked beside Q8_0 ones):
-    int16 words (`_pair_dot`), a block's dot summed in int32, word by word (its 16 words
-    unrolled in registers: the 49152 x 576 output head 1,667 -> 1,799 us)."""
-    qx, sx = _q8_rows(x)
-    rows, n_blocks = sx.shape
-    n_out = out.shape[1]
-    for t in prange((n_out + LANES - 1) // LANES):
-        first, width, tile, d_w = _tile(words, scales, n_out, n_blocks, t)
-        dots = np.empty(width, dtype=np.int32)
-        lanes = np.empty((3, width), dtype=np.float32)
-        d_w_b, stage, total = lanes[0], lanes[1], lanes[2]
-        for r in range(rows):
-            for b in range(n_blocks):
-                x = qx[r, b]
-                dots[:] = 0
-                for k in range(16):
-                    for i in range(width):
-                        dots[i] += _pair_dot(tile[b, k, i], x, k)
-                _singles(d_w[b], d_w_b)
-                _fold_lanes(b, n_blocks, sx[r, b], d_w_b, dots, stage, total)
+                _block_dots(tile, qx, sums, r, b, dots)
+                _fold_lanes(b, n_blocks, sx[r, b], d_w[b], lane_dots, stage, total)
             out[r, first : first + width] = total
 
 
