@@ -46,7 +46,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 LANES = 64  # weight rows the matmul takes side by side (a tile: the vector lanes)
 
@@ -241,12 +241,47 @@ def _byte_pairs(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     return builder.add(even, odd)
 
 
-def _word(builder: ir.IRBuilder, words: ir.Value, k: int) -> ir.Value:
-    """Word k of every lane of a block (<LANES x i16>)."""
+def _lanes(builder: ir.IRBuilder, block: ir.Value, k: int) -> ir.Value:
+    """Word k of every lane of a block (<LANES x the pointer's type>)."""
+    element = block.type.pointee
     pointer = builder.bitcast(
-        builder.gep(words, [I32(k * LANES)]), ir.VectorType(I16, LANES).as_pointer()
+        builder.gep(block, [I32(k * LANES)]), ir.VectorType(element, LANES).as_pointer()
     )
-    return builder.load(pointer, align=2)
+    return builder.load(pointer, align=element.width // 8)
+
+
+def _add_byte_quads(builder: ir.IRBuilder, total: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    """total (<n x i32>) + element i's a[4i + j] * b[4i + j], j < 4, of <4n x i8> a (unsigned)
+    and b (signed), where the sum of each two is within int16: vpdpbusd where the CPU has
+    VNNI; else `_byte_pairs`, the two pairs' sums widened."""
+    n = total.type.count
+    if _has_vnni():
+        quads = ir.VectorType(I32, 16)
+        operands = (
+            _parts(builder, v, 16)
+            for v in (total, *(builder.bitcast(v, total.type) for v in (a, b)))
+        )
+        return _joined(
+            builder,
+            [
+                _x86(builder, "llvm.x86.avx512.vpdpbusd.512", quads, *o)
+                for o in zip(*operands, strict=True)
+            ],
+        )
+    pairs = _byte_pairs(builder, a, b)
+    even, odd = (
+        builder.sext(_shuffle(builder, pairs, pairs, list(range(j, 2 * n, 2))), total.type)
+        for j in (0, 1)
+    )
+    return builder.add(total, builder.add(even, odd))
+
+
+def _start(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
+    """value, n times."""
+    vector = builder.insert_element(
+        ir.Constant(ir.VectorType(value.type, n), ir.Undefined), value, I32(0)
+    )
+    return _splat(builder, vector, 0, n)
 
 
 def _nibble_dots(
@@ -258,13 +293,9 @@ def _nibble_dots(
     each against x's pair (`_byte_pairs`: at most 2 * 15 * 127), summed from -8 * x_sum in
     int16, wrapping: the dot itself is within 32 * 8 * 127."""
     nibbles = ir.VectorType(I8, 2 * LANES)
-    start = builder.trunc(builder.mul(x_sum, I32(-8)), I16)
-    total = builder.insert_element(
-        ir.Constant(ir.VectorType(I16, LANES), ir.Undefined), start, I32(0)
-    )
-    total = _splat(builder, total, 0, LANES)
+    total = _start(builder, builder.trunc(builder.mul(x_sum, I32(-8)), I16), LANES)
     for k in range(8):
-        word = _word(builder, words, k)
+        word = _lanes(builder, words, k)
         for pair, shifted in ((k, word), (k + 8, builder.lshr(word, _vector(I16, 4, LANES)))):
             split = builder.bitcast(builder.and_(shifted, _vector(I16, 0x0F0F, LANES)), nibbles)
             x_pair = builder.bitcast(_splat(builder, pairs, pair, LANES), nibbles)
@@ -272,34 +303,46 @@ def _nibble_dots(
     return builder.sext(total, ir.VectorType(I32, LANES))
 
 
+def _quad_dots(
+    builder: ir.IRBuilder, quads: ir.Value, pairs: ir.Value, x_sum: ir.Value
+) -> ir.Value:
+    """A Q4_0 block's dots (<LANES x i32>) of its nibbles as bytes (`_nibble_quads`: quad k
+    of a lane its elements 2k, 2k + 1, 2k + 16, 2k + 17) against x's same four, summed from
+    -8 * x_sum (`_add_byte_quads`)."""
+    x_quads = builder.bitcast(
+        _shuffle(builder, pairs, pairs, [i // 2 + 8 * (i % 2) for i in range(16)]),
+        ir.VectorType(I32, 8),
+    )
+    total = _start(builder, builder.mul(x_sum, I32(-8)), LANES)
+    nibbles = ir.VectorType(I8, 4 * LANES)
+    for k in range(8):
+        quad = builder.bitcast(_lanes(builder, quads, k), nibbles)
+        total = _add_byte_quads(
+            builder, total, quad, builder.bitcast(_splat(builder, x_quads, k, LANES), nibbles)
+        )
+    return total
+
+
 def _vnni_pair_dots(
     builder: ir.IRBuilder, words: ir.Value, pairs: ir.Value, x_sum: ir.Value
 ) -> ir.Value:
     """An int8 block's dots (<LANES x i32>) of its 16 words (word k of a lane: its elements 2k
-    and 2k + 1, a byte each) by vpdpbusd, which sums 4 products of unsigned by signed bytes
-    into an int32: the weights offset to unsigned (+128: xor 0x80; the sums start from -128
-    * x_sum), a dword holding a word of lanes 2m and 2m + 1, against x's pair in the low
-    half (lane 2m's sum) and in the high half (2m + 1's), the two sums interleaved at the end."""
-    quads = ir.VectorType(I32, 16)
-    low = builder.zext(pairs, quads)
-    high = builder.shl(low, _vector(I32, 16, 16))
-    start = builder.insert_element(
-        ir.Constant(quads, ir.Undefined), builder.mul(x_sum, I32(-128)), I32(0)
-    )
-    sums = [[_splat(builder, start, 0, 16)] * (LANES // 32) for _ in range(2)]  # lanes 2m, 2m + 1
+    and 2k + 1, a byte each) by vpdpbusd (`_add_byte_quads`): the weights offset to unsigned
+    (+128: xor 0x80; the sums start from -128 * x_sum), a dword holding a word of lanes 2m
+    and 2m + 1, against x's pair in the low half (lane 2m's sum) and in the high half (2m +
+    1's), the two sums interleaved at the end."""
+    low = builder.zext(pairs, ir.VectorType(I32, 16))
+    x_halves = (low, builder.shl(low, _vector(I32, 16, 16)))
+    start = _start(builder, builder.mul(x_sum, I32(-128)), LANES // 2)
+    sums = [start, start]  # lanes 2m, 2m + 1
+    weights = ir.VectorType(I8, 2 * LANES)
     for k in range(16):
-        word = builder.xor(_word(builder, words, k), _vector(I16, 0x8080, LANES))
-        parts = _parts(builder, builder.bitcast(word, ir.VectorType(I32, LANES // 2)), 16)
-        for half, x_pair in zip(sums, (low, high), strict=True):
-            x_pair = _splat(builder, x_pair, k, 16)
-            half[:] = [
-                _x86(builder, "llvm.x86.avx512.vpdpbusd.512", quads, s, p, x_pair)
-                for s, p in zip(half, parts, strict=True)
-            ]
-    interleave = [i // 2 + 16 * (i % 2) for i in range(32)]
-    return _joined(
-        builder, [_shuffle(builder, e, o, interleave) for e, o in zip(*sums, strict=True)]
-    )
+        word = builder.xor(_lanes(builder, words, k), _vector(I16, 0x8080, LANES))
+        for h, x_half in enumerate(x_halves):
+            x_pair = builder.bitcast(_splat(builder, x_half, k, LANES // 2), weights)
+            sums[h] = _add_byte_quads(builder, sums[h], builder.bitcast(word, weights), x_pair)
+    interleave = [i // 2 + LANES // 2 * (i % 2) for i in range(LANES)]
+    return _shuffle(builder, sums[0], sums[1], interleave)
 
 
 def _pair_dots(
@@ -314,7 +357,7 @@ def _pair_dots(
     zero = ir.Constant(weights, None)
     total = ir.Constant(lanes, None)
     for k in range(16):
-        w = builder.bitcast(_word(builder, words, k), weights)
+        w = builder.bitcast(_lanes(builder, words, k), weights)
         x_pair = builder.bitcast(_splat(builder, pairs, k, LANES), weights)
         negative = builder.icmp_signed("<", w, zero)
         magnitude = builder.select(negative, builder.sub(zero, w), w)  # -128: 128 unsigned
@@ -323,13 +366,17 @@ def _pair_dots(
     return total
 
 
+# a tile's words: Q4_0's (uint16), their nibbles as bytes (uint32), int8 pairs (int16)
+_DOTS = {types.uint16: _nibble_dots, types.uint32: _quad_dots, types.int16: _pair_dots}
+
+
 @intrinsic
 def _block_dots(typingctx, tile, qx, sums, r, b, dots):
     """dots (int32 [LANES]) = block b's integer dots, lane by lane, of a tile's words (tile:
-    [n_blocks, words a block, LANES], Q4_0's uint16: `_nibble_dots`; int8 pairs' int16:
-    `_pair_dots`) and activation row r's (qx: int16 [rows, n_blocks, 32], |x| <= 127; sums:
-    their sums, int32 [rows, n_blocks]). Arrays C-contiguous; indices in range."""
-    arrays = ((tile, (types.uint16, types.int16), 3), (qx, (types.int16,), 3),
+    [n_blocks, words a block, LANES], `_DOTS`) and activation row r's (qx: int16 [rows,
+    n_blocks, 32], |x| <= 127; sums: their sums, int32 [rows, n_blocks]). Arrays
+    C-contiguous; indices in range."""
+    arrays = ((tile, tuple(_DOTS), 3), (qx, (types.int16,), 3),
               (sums, (types.int32,), 2), (dots, (types.int32,), 1))  # fmt: skip
     for array, dtypes, ndim in arrays:
         if not isinstance(array, types.Array) or (array.ndim, array.layout) != (ndim, "C"):
@@ -338,7 +385,7 @@ def _block_dots(typingctx, tile, qx, sums, r, b, dots):
             return None
     if not (isinstance(r, types.Integer) and isinstance(b, types.Integer)):
         return None
-    dot = _nibble_dots if tile.dtype == types.uint16 else _pair_dots
+    dot = _DOTS[tile.dtype]
 
     def codegen(context, builder, signature, args):
         tile, qx, sums, r, b, dots = (
@@ -415,6 +462,30 @@ def _block_sums(qx):  # pragma: no cover - compiled
     return sums
 
 
+def _nibble_quads(tile, rows):  # type: ignore[no-untyped-def]
+    """A tile's words as `_quad_dots` takes them where they serve several activation rows
+    (uint32 [n_blocks, 8, LANES]: a Q4_0 word's nibbles, elements 2k, 2k + 16, 2k + 1, 2k +
+    17 from bit 0, as the bytes of 2k, 2k + 1, 2k + 16, 2k + 17: (w | w << 12) & 0x0F0F0F0F);
+    none (an empty array) for one row or int8 words."""
+
+
+@overload(_nibble_quads)
+def _nibble_quads_of(tile, rows):  # type: ignore[no-untyped-def]
+    if tile.dtype != types.uint16:
+        return lambda tile, rows: np.empty((0, 8, LANES), dtype=np.uint32)
+
+    def expand(tile, rows):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+        quads = np.empty((tile.shape[0] if rows > 1 else 0, 8, LANES), dtype=np.uint32)
+        for b in range(quads.shape[0]):
+            for k in range(8):
+                for i in range(LANES):
+                    w = np.uint32(tile[b, k, i])
+                    quads[b, k, i] = (w | (w << 12)) & 0x0F0F0F0F
+        return quads
+
+    return expand
+
+
 @compiled(parallel=True)
 def q8_tiled_matmul(x, words, scales, out):  # pragma: no cover - compiled
     """out[r, o] for rows x (float32 [rows, k]), quantized to int8 per block first
@@ -436,9 +507,13 @@ def q8_tiled_matmul(x, words, scales, out):  # pragma: no cover - compiled
         dots = np.empty(LANES, dtype=np.int32)
         lanes = np.empty((2, width), dtype=np.float32)
         stage, total, lane_dots = lanes[0], lanes[1], dots[:width]
+        quads = _nibble_quads(tile, rows)
         for r in range(rows):
             for b in range(n_blocks):
-                _block_dots(tile, qx, sums, r, b, dots)
+                if quads.shape[0] > 0:
+                    _block_dots(quads, qx, sums, r, b, dots)
+                else:
+                    _block_dots(tile, qx, sums, r, b, dots)
                 _fold_lanes(b, n_blocks, sx[r, b], d_w[b], lane_dots, stage, total)
             out[r, first : first + width] = total
 
