@@ -107,3 +107,76 @@ def test_without_f16c_the_kernels_convert_halves_in_integers_exactly(tmp_path):
     done = subprocess.run([sys.executable, "-c", NO_F16C_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def check_matmul_is_the_reference_at_the_integer_extremes() -> None:
+    """q8_matmul against q8_matmul_reference bit for bit, both layouts, on weights of random
+    integers and of each extreme alone (Q4_0 nibbles all 0 or all 15: -8 or 7; int8 all
+    -128 or all 127) in tiles of LANES and a narrow last one (130 = 2 * 64 + 2 rows), against
+    1, 3, 64 and 128 activation rows of random values, all +-127 (+-127/128: d_x 2^-7) or
+    +-127 in random signs."""
+    from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
+
+    rng = np.random.default_rng(11)
+    n_out, n_blocks = 130, 5
+    scales = rng.random((n_out, n_blocks)).astype(np.float16)
+    nibbles = [rng.integers(0, 256, (n_out, n_blocks, 16), np.uint8)]
+    nibbles += [np.full((n_out, n_blocks, 16), v, np.uint8) for v in (0, 0xFF)]
+    int8s = [rng.integers(-128, 128, (n_out, n_blocks, 32), np.int8)]
+    int8s += [np.full((n_out, n_blocks, 32), v, np.int8) for v in (-128, 127)]
+    for quants in nibbles + int8s:
+        matrix = BlockMatrix.from_blocks(quants, scales)
+        for rows in (1, 3, 64, 128):
+            x = rng.standard_normal((rows, 32 * n_blocks)).astype(np.float32)
+            x[0] = np.float32(127 / 128)
+            if rows > 1:
+                x[1] = np.float32(-127 / 128)
+                x[2] = rng.choice(np.float32([-127 / 128, 127 / 128]), 32 * n_blocks)
+            got, expected = q8_matmul(x, matrix), q8_matmul_reference(x, matrix)
+            assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), rows
+
+
+def test_the_matmul_is_the_reference_at_the_integer_extremes():
+    """On this machine's CPU (`cpu_kernels._block_dots`: its widest byte multiply-adds)."""
+    check_matmul_is_the_reference_at_the_integer_extremes()
+
+
+# x86-64 CPUs numba may compile for (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES), a codegen path
+# each (`cpu_kernels._block_dots`): whether it has VNNI; its widest pmaddubsw (bytes, 0: none)
+X86_PATHS = {
+    "vnni": ("znver4", "+sse2,+ssse3,+avx,+avx2,+f16c,+avx512f,+avx512bw,+avx512vnni", True, 64),
+    "avx512bw": ("skylake-avx512", "+sse2,+ssse3,+avx,+avx2,+f16c,+avx512f,+avx512bw", False, 64),
+    "avx2": ("haswell", "+sse2,+ssse3,+avx,+avx2,+f16c", False, 32),
+    "ssse3": ("x86-64", "+sse2,+ssse3,+cx16", False, 16),
+    "generic": ("x86-64", "+sse2,+cx16", False, 0),
+}
+
+PATH_SCRIPT = """
+import sys
+from rocforge_rt.backends.cpu_kernels import _BYTE_PAIRS, _cpu_features, _has_vnni
+import test_cpu_kernels
+
+vnni, widest = sys.argv[1] == "True", int(sys.argv[2])
+assert _has_vnni() == vnni
+assert max([w for f, w, _ in _BYTE_PAIRS if f in _cpu_features()], default=0) == widest
+test_cpu_kernels.check_matmul_is_the_reference_at_the_integer_extremes()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="compiles for x86-64 CPUs")
+@pytest.mark.parametrize("path", list(X86_PATHS))
+def test_each_x86_codegen_path_is_the_reference_bit_for_bit(path, tmp_path):
+    """The matmul compiled for CPUs with VNNI, AVX-512BW without it, AVX2, SSSE3 and none of
+    them (LLVM's generic vectors): the block dots' instructions differ, the bits do not."""
+    from numba.core.codegen import get_host_cpu_features
+
+    cpu, features, vnni, widest = X86_PATHS[path]
+    if not set(features.split(",")) <= set(get_host_cpu_features().split(",")):
+        pytest.skip(f"this CPU lacks some of {features}")
+    paths = [os.path.dirname(__file__), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(paths)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", PATH_SCRIPT, str(vnni), str(widest)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
