@@ -496,11 +496,7 @@ def q8_tiled_matmul(x, words, scales, out):  # pragma: no cover - compiled
     (`_tile`)."""
     qx, sx = _q8_rows(x)
     rows, n_blocks = sx.shape
-    sums = np.zeros((rows, n_blocks), dtype=np.int32)  # each block's sum of x
-    for r in range(rows):
-        for b in range(n_blocks):
-            for j in range(32):
-                sums[r, b] += qx[r, b, j]
+    sums = _block_sums(qx)
     n_out = out.shape[1]
     for t in prange((n_out + LANES - 1) // LANES):
         first, width, tile, d_w = _tile(words, scales, n_out, n_blocks, t)
