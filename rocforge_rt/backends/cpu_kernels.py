@@ -477,7 +477,7 @@ def _block_sums(qx):  # pragma: no cover - compiled
     return sums
 
 
-def _nibble_quads(tile, rows):  # type: ignore[no-untyped-def]
+def _nibble_quads(tile, rows):
     """A tile's words as `_quad_dots` takes them where they serve several activation rows
     (uint32 [n_blocks, 8, LANES]: a Q4_0 word's nibbles, elements 2k, 2k + 16, 2k + 1, 2k +
     17 from bit 0, as the bytes of 2k, 2k + 1, 2k + 16, 2k + 17: (w | w << 12) & 0x0F0F0F0F);
@@ -485,11 +485,12 @@ def _nibble_quads(tile, rows):  # type: ignore[no-untyped-def]
 
 
 @overload(_nibble_quads)
-def _nibble_quads_of(tile, rows):  # type: ignore[no-untyped-def]
+def _nibble_quads_of(tile, rows):
+    """`_nibble_quads` compiled for the tile's word type."""
     if tile.dtype != types.uint16:
         return lambda tile, rows: np.empty((0, 8, LANES), dtype=np.uint32)
 
-    def expand(tile, rows):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    def expand(tile, rows):  # pragma: no cover - compiled
         quads = np.empty((tile.shape[0] if rows > 1 else 0, 8, LANES), dtype=np.uint32)
         for b in range(quads.shape[0]):
             for k in range(8):
