@@ -13,9 +13,11 @@
    Q4_0 file itself llama.cpp quantizes activations to int8 blocks with fp16 scales.
 2. For fixed random prompts of byte tokens (ids 0-255) of 1, 64, 2,000 and 4,000 tokens (the
    `linear4` model: 2,000), asks llama.cpp (llama-cpp-python, CPU, 2 threads) for the logits
-   after the last token, on the Q4_0 file and on its F32 copy.
+   after the last token, on the Q4_0 file and on its F32 copy; and on the Q4_0 file once more
+   with flash attention (its other CPU attention: how far llama.cpp's own roundings part its
+   logits).
 3. Writes tests/data/tiny-llama3-rope.llamacpp.npz (the prompts, `ids_<length>`, and the
-   logits, `logits_<case>_<q4_0|f32>`, float32, compressed) and
+   logits, `logits_<case>_<q4_0|f32|q4_0_fa>`, float32, compressed) and
    tests/data/tiny-llama3-rope.llamacpp.json (the cases, how each model was written, the
    content digest of each file, the versions used).
 
@@ -67,11 +69,14 @@ def f32_copy(src: Path, dst: Path) -> Path:
     return write_gguf(dst, copy_metadata(reader), tensors, progress=False)
 
 
-def last_logits(path: Path, prompts: dict[int, list[int]], lengths: list[int]) -> dict[int, list]:
+def last_logits(
+    path: Path, prompts: dict[int, list[int]], lengths: list[int], flash_attn: bool = False
+) -> dict[int, list]:
     """llama.cpp's logits after the last token of each prompt, each from an empty cache."""
     llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=N_CTX, logits_all=False, n_threads=THREADS, verbose=False
-    )
+        model_path=str(path), n_ctx=N_CTX, logits_all=False, n_threads=THREADS, verbose=False,
+        flash_attn=flash_attn,
+    )  # fmt: skip
     out = {}
     for n in lengths:
         llm.reset()  # eval starts over at position 0 (the cache past n_tokens is dropped)
@@ -101,8 +106,9 @@ def main() -> int:
                 "f32_digest": content_digest(copy),
             }
             wanted = [n for variant, n in CASES if variant == name]
-            for kind, path in (("q4_0", model), ("f32", copy)):
-                for n, logits in last_logits(path, prompts, wanted).items():
+            runs = (("q4_0", model, False), ("f32", copy, False), ("q4_0_fa", model, True))
+            for kind, path, flash_attn in runs:
+                for n, logits in last_logits(path, prompts, wanted, flash_attn).items():
                     arrays[f"logits_{name}-{n}_{kind}"] = logits
     np.savez_compressed(DATA / f"{STEM}.npz", **arrays)
     provenance = {
@@ -110,7 +116,12 @@ def main() -> int:
         "variants": variants,
         "cases": [{"name": f"{v}-{n}", "variant": v, "length": n} for v, n in CASES],
         "prompt_seed": PROMPT_SEED,
-        "llama_cpp": {"n_ctx": N_CTX, "n_threads": THREADS, "n_batch": 512},
+        "llama_cpp": {
+            "n_ctx": N_CTX,
+            "n_threads": THREADS,
+            "n_batch": 512,
+            "flash_attn": "off, and on for the q4_0_fa logits",
+        },
         "versions": {p: version(p) for p in ("llama_cpp_python", "gguf", "numpy")},
     }
     (DATA / f"{STEM}.json").write_text(json.dumps(provenance, indent=1) + "\n")
