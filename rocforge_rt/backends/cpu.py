@@ -29,6 +29,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import cached_property
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -344,6 +345,29 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.nda
     return np.add(np.multiply(a, b, dtype=np.float64), c, out=out, dtype=np.float64)
 
 
+class SlotRun(NamedTuple):
+    """A step's rows of one KV slot, for one attention call: the rows (a slice where they are
+    consecutive), their positions (int64) and the context they reach (the largest + 1)."""
+
+    slot: int
+    rows: slice | np.ndarray
+    positions: np.ndarray
+    length: int
+
+
+def slot_runs(batch: StepBatch) -> list[SlotRun]:
+    """The step's rows by slot, in slot order."""
+    slots, positions = batch.slots, batch.positions.astype(np.int64)
+    if len(slots) and (slots == slots[0]).all():  # a decode row, or one sequence's chunk
+        groups: list[tuple[int, slice | np.ndarray]] = [(int(slots[0]), slice(0, len(slots)))]
+    else:
+        groups = [(int(slot), np.flatnonzero(slots == slot)) for slot in np.unique(slots)]
+    return [
+        SlotRun(slot, rows, positions[rows], int(positions[rows].max()) + 1)
+        for slot, rows in groups
+    ]
+
+
 def singles(halves: np.ndarray) -> np.ndarray:
     """A contiguous float16 array as float32, exactly (`astype`), by a compiled loop
     (`halves_to_singles`): 19 -> 6 us for 64 positions of 3 x 64 (a SmolLM2 layer's keys)."""
@@ -399,6 +423,9 @@ class CpuBackend:
         self.k_cache = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.v_cache = [np.zeros(shape_v, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
+        self.attention_scale = np.float32(1.0 / np.sqrt(hparams.head_dim_k))
+        # The step being run and its rows by slot (`slot_runs`), found once for all layers.
+        self._runs: tuple[StepBatch | None, list[SlotRun]] = (None, [])
 
     def device_info(self) -> dict[str, object]:
         # Row-independent matmuls: a token's logits do not depend on the rows beside it.
@@ -530,19 +557,24 @@ class CpuBackend:
         order, whether it is decoded alone, batched with other sessions or in a prompt chunk.
         """
         hp = self.hparams
+        queries = np.ascontiguousarray(q).reshape(q.shape[0], hp.n_head, hp.head_dim_k)
         out = np.empty((q.shape[0], hp.n_head, hp.head_dim_v), dtype=np.float32)
-        scale = np.float32(1.0 / np.sqrt(hp.head_dim_k))
-        for slot in np.unique(batch.slots):
-            rows = np.flatnonzero(batch.slots == slot)
-            positions = batch.positions[rows]
-            length = int(positions.max()) + 1
-            keys = singles(self.k_cache[layer][slot, :length])  # [L, Hkv, D]
+        planned, runs = self._runs
+        if planned is not batch:
+            runs = slot_runs(batch)
+            self._runs = (batch, runs)
+        for run in runs:
+            keys = singles(self.k_cache[layer][run.slot, : run.length])  # [L, Hkv, D]
             keys = np.ascontiguousarray(keys.transpose(1, 2, 0))  # [Hkv, D, L]
-            values = singles(self.v_cache[layer][slot, :length])  # [L, Hkv, D]
-            mixed = np.empty((len(rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
-            queries = q[rows].reshape(len(rows), hp.n_head, hp.head_dim_k)
-            attend(queries, keys, values, positions.astype(np.int64), scale, mixed)
-            out[rows] = mixed
+            values = singles(self.v_cache[layer][run.slot, : run.length])  # [L, Hkv, D]
+            if isinstance(run.rows, slice):  # the kernel writes the rows' outputs in place
+                attend(queries[run.rows], keys, values, run.positions, self.attention_scale,
+                       out[run.rows])  # fmt: skip
+            else:
+                mixed = np.empty((len(run.rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
+                attend(queries[run.rows], keys, values, run.positions, self.attention_scale,
+                       mixed)  # fmt: skip
+                out[run.rows] = mixed
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
 
     def matmul_add(self, x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
