@@ -339,15 +339,15 @@ def test_the_kernels_compile_uncached_where_numba_has_nowhere_to_cache():
 def test_the_backends_warm_up_compiles_every_kernel_both_layouts():
     """The daemon's warm-up calls CpuBackend.warm_up before `ready`: every kernel a step
     takes (the matmul of the Q4_0 and int8 layouts, RMSNorm, RoPE of one row and of a
-    chunk's strided rows, float16 to float32) is compiled."""
+    chunk's strided rows, attention over the fp16 pool) is compiled."""
     from numba import types
 
-    from rocforge_rt.backends import cpu_kernels
+    from rocforge_rt.backends import cpu_attention, cpu_kernels
 
     CpuBackend(hparams(), 1, 1, threads=1).warm_up()
     words = {signature[1].dtype for signature in cpu_kernels.q8_tiled_matmul.signatures}
     assert words == {types.uint16, types.int16}
-    for kernel in (cpu_kernels.rms_norm_rows, cpu_kernels.halves_to_singles):
+    for kernel in (cpu_kernels.rms_norm_rows, cpu_attention.attend):
         assert kernel.signatures
     assert len(cpu_kernels.rope_rows.signatures) >= 2
 

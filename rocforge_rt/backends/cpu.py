@@ -39,7 +39,6 @@ from threadpoolctl import threadpool_limits
 from rocforge_rt.backends.cpu_attention import attend
 from rocforge_rt.backends.cpu_kernels import (
     LANES,
-    halves_to_singles,
     q8_tiled_matmul,
     rms_norm_rows,
     rope_rows,
@@ -301,7 +300,8 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
 def compile_kernels() -> None:
     """Compile (or load from numba's cache) the kernels a step takes, for the argument types
     it gives them: the matmul of both weight layouts, RMSNorm (its gain read-only, as a
-    model file's), RoPE (of one row, and of a chunk's rows: strided), float16 to float32."""
+    model file's), RoPE (of one row, and of a chunk's rows: strided), attention over the
+    fp16 KV pool."""
     x = np.ones((1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 1, 16), np.uint8), np.zeros((1, 1, 32), np.int8)):
         q8_matmul(x, BlockMatrix.from_blocks(packed, np.ones((1, 1), dtype=np.float16)))
@@ -312,7 +312,9 @@ def compile_kernels() -> None:
     for rows in (qkv[:1, :2], qkv[:, :2]):
         positions = np.zeros(len(rows), dtype=np.int32)
         rope_rows(rows, positions, table, table, np.empty(rows.shape, dtype=np.float32))
-    singles(np.zeros(1, dtype=np.float16))
+    head = np.ones((1, 1, Q8_BLOCK), dtype=np.float32)
+    keys_t, values = np.zeros((1, Q8_BLOCK, 1), np.uint16), np.zeros((1, 1, Q8_BLOCK), np.uint16)
+    attend(head, keys_t, values, np.zeros(1, dtype=np.int64), np.float32(1), np.empty_like(head))
 
 
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
@@ -347,12 +349,11 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.nda
 
 class SlotRun(NamedTuple):
     """A step's rows of one KV slot, for one attention call: the rows (a slice where they are
-    consecutive), their positions (int64) and the context they reach (the largest + 1)."""
+    consecutive) and their positions (int64)."""
 
     slot: int
     rows: slice | np.ndarray
     positions: np.ndarray
-    length: int
 
 
 def slot_runs(batch: StepBatch) -> list[SlotRun]:
@@ -362,18 +363,7 @@ def slot_runs(batch: StepBatch) -> list[SlotRun]:
         groups: list[tuple[int, slice | np.ndarray]] = [(int(slots[0]), slice(0, len(slots)))]
     else:
         groups = [(int(slot), np.flatnonzero(slots == slot)) for slot in np.unique(slots)]
-    return [
-        SlotRun(slot, rows, positions[rows], int(positions[rows].max()) + 1)
-        for slot, rows in groups
-    ]
-
-
-def singles(halves: np.ndarray) -> np.ndarray:
-    """A contiguous float16 array as float32, exactly (`astype`), by a compiled loop
-    (`halves_to_singles`): 19 -> 6 us for 64 positions of 3 x 64 (a SmolLM2 layer's keys)."""
-    out = np.empty(halves.shape, dtype=np.float32)
-    halves_to_singles(halves.reshape(-1).view(np.uint16), out.reshape(-1))
-    return out
+    return [SlotRun(slot, rows, positions[rows]) for slot, rows in groups]
 
 
 def rowwise_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -418,9 +408,13 @@ class CpuBackend:
         # The step issued ahead: the step before it, its output, and the forward to run.
         self._ahead: tuple[StepBatch, StepOutput, Callable[[StepBatch], np.ndarray]] | None = None
         self.n_ctx = n_ctx
-        shape_k = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_k)
+        # The KV pool, float16. Keys are held positions innermost ([slot, KV head, dim,
+        # position]: `attend` reads them along positions); `k_cache` is each layer's view of
+        # them as [slot, position, KV head, dim], the layout of `v_cache` and the GPU's.
+        shape_k = (n_slots, hparams.n_head_kv, hparams.head_dim_k, n_ctx)
         shape_v = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_v)
-        self.k_cache = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
+        self.keys_t = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
+        self.k_cache = [keys.transpose(0, 3, 1, 2) for keys in self.keys_t]
         self.v_cache = [np.zeros(shape_v, dtype=np.float16) for _ in range(hparams.n_layer)]
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
         self.attention_scale = np.float32(1.0 / np.sqrt(hparams.head_dim_k))
@@ -564,9 +558,8 @@ class CpuBackend:
             runs = slot_runs(batch)
             self._runs = (batch, runs)
         for run in runs:
-            keys = singles(self.k_cache[layer][run.slot, : run.length])  # [L, Hkv, D]
-            keys = np.ascontiguousarray(keys.transpose(1, 2, 0))  # [Hkv, D, L]
-            values = singles(self.v_cache[layer][run.slot, : run.length])  # [L, Hkv, D]
+            keys = self.keys_t[layer][run.slot].view(np.uint16)  # [Hkv, D, n_ctx]
+            values = self.v_cache[layer][run.slot].view(np.uint16)  # [n_ctx, Hkv, D]
             if isinstance(run.rows, slice):  # the kernel writes the rows' outputs in place
                 attend(queries[run.rows], keys, values, run.positions, self.attention_scale,
                        out[run.rows])  # fmt: skip

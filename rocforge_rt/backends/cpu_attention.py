@@ -16,14 +16,15 @@ sum's order.
 import numpy as np
 from numba import prange
 
-from rocforge_rt.backends.cpu_kernels import compiled
+from rocforge_rt.backends.cpu_kernels import compiled, single
 
 
 @compiled(parallel=True)
 def attend(q, keys_t, values, positions, scale, out):  # pragma: no cover - compiled
     """out [rows, n_head, dv] for queries q [rows, n_head, dk] (float32) of one slot over its
-    keys_t [n_kv, dk, length] (positions innermost) and values [length, n_kv, dv] (float32),
-    row r attending to positions [0, positions[r]]; query head h reads KV head
+    cache: keys_t [n_kv, dk, n_ctx] (positions innermost) and values [n_ctx, n_kv, dv], both
+    the KV pool's fp16 bits (uint16), taken to float32 as they are read (`single`: exact);
+    row r attends to positions [0, positions[r]]; query head h reads KV head
     h // (n_head // n_kv)."""
     rows, n_head, dk = q.shape
     n_kv, dv = keys_t.shape[0], values.shape[2]
@@ -36,7 +37,7 @@ def attend(q, keys_t, values, positions, scale, out):  # pragma: no cover - comp
         for d in range(dk):
             qd = q[r, h, d]
             for j in range(length):
-                scores[j] += qd * keys_t[kv, d, j]
+                scores[j] += qd * single(keys_t[kv, d, j])
         top = np.float32(-np.inf)
         for j in range(length):
             scores[j] *= scale
@@ -47,6 +48,6 @@ def attend(q, keys_t, values, positions, scale, out):  # pragma: no cover - comp
             w = np.exp(scores[j] - top)
             total += w
             for e in range(dv):
-                acc[e] += w * values[j, kv, e]
+                acc[e] += w * single(values[j, kv, e])
         for e in range(dv):
             out[r, h, e] = acc[e] / total

@@ -1,6 +1,6 @@
 """The CPU backend's compiled kernels, in numba: the matmul of int8 activations and Q4_0/Q8_0
-weights; and a step's elementwise passes (RMSNorm, RoPE, the KV pool's float16 to float32),
-numpy's arithmetic bit for bit without its per-call overhead.
+weights; and a step's elementwise passes (RMSNorm, RoPE), numpy's arithmetic bit for bit
+without its per-call overhead; fp16 to float32 (`single`, which the attention uses too).
 
 Every matmul output is the float32 arithmetic of `cpu._q8_fold`, in its order (the GPU's
 canonical sum, `kernels/rf_q8.h`): per block the exact integer dot of the activation's and
@@ -27,7 +27,7 @@ block dots, four weight rows a pass) a 128-row 3072 x 576 call 10.8 -> 8.0 ms an
 
 A block's integer dots are x86's byte multiply-adds, which numba does not emit from loops
 (nor from a plain-numba int16 variant, 3x slower), written in LLVM IR (`_block_dots`, an
-@intrinsic) for the CPU numba compiles for, as `_single` is: pmaddubsw (unsigned by signed
+@intrinsic) for the CPU numba compiles for, as `single` is: pmaddubsw (unsigned by signed
 bytes, adjacent products summed in int16) at the CPU's widest (AVX-512BW, AVX2, SSSE3),
 AVX-512 VNNI's vpdpbusd (four such products summed into an int32), LLVM's generic vectors
 elsewhere. Q4_0's nibbles are the unsigned bytes, their -8 taken once as -8 * the block's
@@ -130,7 +130,7 @@ def _single_in_integers(builder: ir.IRBuilder, half: ir.Value) -> ir.Value:
 
 
 @intrinsic
-def _single(typingctx, half):
+def single(typingctx, half):
     """fp16 bits (uint16) as float32: LLVM's fpext where the CPU converts halves (F16C's
     vcvtph2ps: a 3072 x 576 Q4_0 matmul 75.4 us against 81.6 by `_single_in_integers`,
     which takes the other CPUs). Exact, as numpy's `astype`, but that F16C returns a
@@ -147,23 +147,11 @@ def _single(typingctx, half):
 
 
 @compiled(inline="always")
-def _singles(halves, out):  # pragma: no cover - compiled
-    """out (float32) = halves (fp16 bits, uint16) by `_single`: the matmul kernels' weight
-    scales, a block's of every lane of a tile."""
+def halves_as_singles(halves, out):  # pragma: no cover - compiled
+    """out (float32) = halves (fp16 bits, uint16) by `single`: exactly numpy's `astype`, but
+    that F16C returns a signalling nan quiet (the matmul kernels' weight scales, a tile's)."""
     for i in range(halves.shape[0]):
-        out[i] = _single(halves[i])
-
-
-@compiled()
-def halves_to_singles(halves, out):  # pragma: no cover - compiled
-    """out (float32) = halves (float16 bits as uint16) exactly, numpy's `astype` (every one of
-    the 65536, nan payloads included): `_singles`, then the signalling nans' quiet bit
-    cleared again. 100 -> 60 us for 262,144 values against integer field moves."""
-    _singles(halves, out)
-    bits = out.view(np.uint32)
-    for i in range(halves.shape[0]):
-        if halves[i] & 0x7E00 == 0x7C00 and halves[i] & 0x1FF != 0:  # signalling nan
-            bits[i] &= np.uint32(0xFFBFFFFF)
+        out[i] = single(halves[i])
 
 
 @compiled(inline="always")
@@ -171,7 +159,7 @@ def _tile(quants, scales, n_out, n_blocks, t):  # pragma: no cover - compiled
     """Tile t of a tiled matrix (`cpu.BlockMatrix`): its first row, its width (LANES, fewer
     in the last tile), its words [n_blocks, words a block, LANES] (a narrow tile's copied
     into a full one's, zeros beside them) and its scales as float32 [n_blocks, width]
-    (`_singles` of its fp16 bits)."""
+    (`halves_as_singles` of its fp16 bits)."""
     first = t * LANES
     width = min(LANES, n_out - first)
     per_block = quants.shape[0] // (n_out * n_blocks)
@@ -182,7 +170,7 @@ def _tile(quants, scales, n_out, n_blocks, t):  # pragma: no cover - compiled
         full[:, :, :width] = words
         words = full
     d_w = np.empty(n_blocks * width, dtype=np.float32)
-    _singles(scales[first * n_blocks : (first + width) * n_blocks], d_w)
+    halves_as_singles(scales[first * n_blocks : (first + width) * n_blocks], d_w)
     return first, width, words, d_w.reshape((n_blocks, width))
 
 
