@@ -38,8 +38,14 @@
 // successor's blocks crowding onto the first multiprocessors to free up.
 // Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);
 //            RF_EPILOGUE_SWIGLU: rows [0, n) are gate, [n, 2n) up; out = silu(gate) * up.
+// The one-row _swiglu_q8 kernels also write out quantized for the down projection to
+// copy, at xq_out (rf_q8_rows_at(xq_out, 1, n / 32); n a multiple of 32), with the
+// bits of rf_quantize_q8_gemv (rf_quantize4). Their blocks then own whole 32-blocks of
+// outputs (block b the 32-blocks b, b + grid, ..., its warps the row groups w, w + warps,
+// ... of each): the outputs are staged in shared memory, and after a barrier the first
+// warp quantizes the 32-block. No other block is waited for, nothing is read back.
 //
-// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_rope]: R = 1 takes one activation row
+// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_swiglu_q8|_rope]: R = 1 takes one activation row
 // (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be
 // RF_EPILOGUE_SWIGLU exactly for the _swiglu kernels; the _rope kernels (the QKV
 // projection) store through rf_rope_store instead (rf_rope.h) and take its arguments.
@@ -285,18 +291,41 @@ struct rf_weight_chunk {
 struct rf_gemv_item {
     int g, c;
 
-    // The next chunk of this group, else the first of the warp's next group.
-    RF_GEMV_MEMBER rf_gemv_item next(int n_chunks, int stride) const {
-        return c + 1 < n_chunks ? rf_gemv_item{g, c + 1} : rf_gemv_item{g + stride, 0};
+    // The next chunk of this group, else the first of the warp's next group: g + stride, or
+    // with blocks owning `per_block` groups (a 32-block of outputs; 0: they do not) the next
+    // of this block's groups, then the first of its next 32-block.
+    RF_GEMV_MEMBER rf_gemv_item next(int n_chunks, int stride, int per_block) const {
+        if (c + 1 < n_chunks) {
+            return rf_gemv_item{g, c + 1};
+        }
+        if (per_block == 0) {
+            return rf_gemv_item{g + stride, 0};
+        }
+        const bool block_done = g % per_block + RF_GEMV_WARPS >= per_block;
+        const int skip = block_done ? ((int)gridDim.x - 1) * per_block : 0;  // other blocks'
+        return rf_gemv_item{g + RF_GEMV_WARPS + skip, 0};
     }
 };
 
-template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false>
+// Quantize the SwiGLU outputs of 32-block `block`, staged in shared memory, into xq (one
+// row, no gain), as rf_quantize_q8_gemv would: eight lanes of the calling warp.
+RF_DEVICE_INLINE void rf_gemv_quantize_staged(const float* staged, int block, int n,
+                                              uint8_t* xq, int lane) {
+    const bool active = lane < RF_QK / 4;
+    rf_f32x4 v{{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (active) {
+        v = *(const rf_f32x4*)(staged + 4 * lane);
+    }
+    rf_quantize4(v, active, 0, block * RF_QK + 4 * (active ? lane : 0), nullptr, 1.0f,
+                 rf_q8_rows_at(xq, 1, n / RF_QK));
+}
+
+template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false, bool Q8OUT = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
                               const uint8_t* RF_RESTRICT xq, const float* RF_RESTRICT gain,
                               float eps, int release_early, int epilogue, const float* residual,
-                              float* out, const rf_rope_out& rope) {
+                              float* out, const rf_rope_out& rope, uint8_t* xq_out) {
     static_assert(!ROPE || (NO % 2 == 0 && !SWIGLU), "RoPE takes (even, odd) row pairs");
     constexpr int NW = SWIGLU ? 2 * NO : NO;
     constexpr int NV = NW * RCAP;  // sums of a row group: lane v folds (row v / RCAP, x row v % RCAP)
@@ -316,7 +345,13 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     const int n_chunks = (n_stages + RF_WARP_SIZE * SPL - 1) / (RF_WARP_SIZE * SPL);
     const int stride = gridDim.x * RF_GEMV_WARPS;
     const int mine_j = lane / RCAP, mine_t = lane % RCAP;  // the sum this lane folds (lane < NV)
-    rf_gemv_item item{(int)blockIdx.x * RF_GEMV_WARPS + warp, 0};
+    // With a q8 output, blocks own 32-blocks of outputs, staged here (two, alternating).
+    static_assert(!Q8OUT || (SWIGLU && RCAP == 1 && RF_QK / NO % RF_GEMV_WARPS == 0),
+                  "one row's SwiGLU outputs, a 32-block filling whole rounds of the warps");
+    constexpr int per_block = Q8OUT ? RF_QK / NO : 0;
+    __shared__ __align__(16) float staged[2][Q8OUT ? RF_QK : 1];
+    int staging = 0;
+    rf_gemv_item item{(int)blockIdx.x * (per_block ? per_block : RF_GEMV_WARPS) + warp, 0};
 
     Chunk w_a, w_b;
     if (item.g < n_groups) {
@@ -341,7 +376,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     float total = 0.0f;  // lane v < NV: sum v of the current row group, folded so far
     // Chunk `item` from `use` while the next one loads into `fill`; false when done.
     auto step = [&](const Chunk& use, Chunk& fill) -> bool {
-        const rf_gemv_item next = item.next(n_chunks, stride);
+        const rf_gemv_item next = item.next(n_chunks, stride, per_block);
         if (next.g < n_groups) {
             fill.load(w_qs, w_d, n, n_blocks, next.g, next.c, lane);
         }
@@ -410,7 +445,20 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
             if (SWIGLU) {  // gate j and up j + NO of the same x row
                 const float up = rf_shfl(total, (lane + NO * RCAP) % RF_WARP_SIZE, RF_WARP_SIZE);
                 if (mine && mine_j < NO) {
-                    out[(int64_t)mine_t * n + row] = rf_swiglu(total, up);
+                    const float h = rf_swiglu(total, up);
+                    out[(int64_t)mine_t * n + row] = h;
+                    if (per_block) {
+                        staged[staging][row % RF_QK] = h;
+                    }
+                }
+                if (per_block && item.g % per_block + RF_GEMV_WARPS >= per_block) {
+                    // every warp's last group of the 32-block: its outputs are staged
+                    __syncthreads();
+                    if (warp == 0) {
+                        rf_gemv_quantize_staged(staged[staging], item.g / per_block, n, xq_out,
+                                                lane);
+                    }
+                    staging ^= 1;  // the next 32-block's outputs go to the other buffer
                 }
             } else if (ROPE) {  // q, k, v of each (even, odd) pair of rows
                 const float odd = rf_shfl(total, (lane + RCAP) % RF_WARP_SIZE, RF_WARP_SIZE);
@@ -440,7 +488,13 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         const float *residual, float *out
 #define RF_GEMV_CALL(format, no, swiglu, rcap)                                               \
     rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, \
-                                      epilogue, residual, out, rf_rope_out{})
+                                      epilogue, residual, out, rf_rope_out{}, nullptr)
+// The one-row gate|up GEMV that also writes the down projection's q8 row at xq_out.
+#define RF_GEMV_SWIGLU_Q8_PARAMS RF_GEMV_PARAMS, uint8_t *xq_out
+#define RF_GEMV_SWIGLU_Q8_CALL(format, no)                                                      \
+    rf_gemv<format, no, true, 1, false, true>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps,        \
+                                              release_early, epilogue, residual, out,           \
+                                              rf_rope_out{}, xq_out)
 
 // The QKV GEMV with RoPE + KV-append in its epilogue (rf_rope.h): q to q_out, k and v
 // into the KV pool at each token's slot and position (step state).
@@ -457,7 +511,8 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, RF_EPILOGUE_STORE, nullptr,    \
         nullptr,                                                                                 \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
-                    head_dim, rope_dims, n_ctx})
+                    head_dim, rope_dims, n_ctx},                                                 \
+        nullptr)
 
 // One activation row x[k] normalized (with a gain g) and quantized once, into the GEMV
 // layout at xq (rf_q8_rows_at(xq, 1, k / 32)), for a GEMV launched with xq to copy.
@@ -495,8 +550,14 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4(RF_GEMV_PARAMS) {
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q4_0_format, 1, true, 1);
 }
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
+    RF_GEMV_SWIGLU_Q8_CALL(rf_q4_0_format, 1);
+}
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q4_0_format, 2, true, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
+    RF_GEMV_SWIGLU_Q8_CALL(rf_q4_0_format, 2);
 }
 // Q4_0, up to RF_GEMV_MAX_ROWS activation rows.
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1(RF_GEMV_PARAMS) {
@@ -524,6 +585,9 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n2(RF_GEMV_PARAMS) {
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q8_0_format, 1, true, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
+    RF_GEMV_SWIGLU_Q8_CALL(rf_q8_0_format, 1);
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b8_n1(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q8_0_format, 1, false, RF_GEMV_MAX_ROWS);

@@ -12,8 +12,9 @@ or none with --backend cpu), in turn. Figures are medians over all runs (llama-b
 over its rounds' averages), and the ratios are printed. Results go to --out as JSON.
 --kernels NAME=DIR (repeatable) loads each engine once more per kernel source tree (an
 A/B of kernel changes in one run, the trees' engines timed in turn each round);
---matmul-lever ATTR=VALUE (repeatable) one more per value of a numeric attribute of the
-GPU backend's Matmul (a launch heuristic's A/B, e.g. gemv_max_blocks_per_sm=2).
+--matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
+attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
+gemv_max_blocks_per_sm=2; a lever off: quantize_swiglu=0,quantize_normed=0).
 """
 
 import argparse
@@ -79,7 +80,7 @@ class ModeBench:
         overlap: bool = True,
         lookahead: bool = True,
         kernels: tuple[str, str] | None = None,
-        lever: tuple[str, float] | None = None,
+        lever: tuple[tuple[str, float], ...] = (),
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
@@ -90,14 +91,14 @@ class ModeBench:
         self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
         if kernels:
             self.label += f" [{kernels[0]}]"
-        if lever:
-            attr, value = lever
+        for attr, value in lever:
             matmul = getattr(self.engine.backend, "matmul", None)
             if not isinstance(getattr(matmul, attr, None), int | float):
                 raise SystemExit(f"error: the {self.engine.backend.name} backend has no "
                                  f"numeric Matmul attribute {attr!r}")  # fmt: skip
             setattr(matmul, attr, value)
-            self.label += f" [{attr}={value}]"
+        if lever:
+            self.label += f" [{','.join(f'{attr}={value}' for attr, value in lever)}]"
         self.rng = np.random.default_rng(0)
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
@@ -167,16 +168,19 @@ def kernels_variant(text: str) -> tuple[str, str]:
     return name, directory
 
 
-def matmul_lever(text: str) -> tuple[str, float]:
-    """ATTR=VALUE of --matmul-lever (VALUE a number)."""
-    attr, sep, value = text.partition("=")
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not sep or not attr.isidentifier() or math.isnan(number):
-        raise argparse.ArgumentTypeError(f"expected ATTR=NUMBER, got {text!r}")
-    return attr, int(number) if number.is_integer() else number
+def matmul_lever(text: str) -> tuple[tuple[str, float], ...]:
+    """ATTR=VALUE[,ATTR=VALUE...] of --matmul-lever (each VALUE a number)."""
+    settings = []
+    for item in text.split(","):
+        attr, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or not attr.isidentifier() or math.isnan(number):
+            raise argparse.ArgumentTypeError(f"expected ATTR=NUMBER[,ATTR=NUMBER...], got {text!r}")
+        settings.append((attr, int(number) if number.is_integer() else number))
+    return tuple(settings)
 
 
 def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:

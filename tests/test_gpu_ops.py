@@ -16,6 +16,7 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
+from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
@@ -184,6 +185,59 @@ def test_one_row_attention_hands_the_o_projection_its_output_quantized(
         assert np.array_equal(gpu.to_host(gpu.matmul_add(plain, matrix, res_act)), copied)
         if min_k == 0:
             assert np.array_equal(gpu.to_host(xq_bytes).view(np.uint8), from_attention)
+
+
+def q8_bytes(gpu, buf, width: int) -> bytes:
+    """The bytes of one row of `width` columns in the GEMV's q8 layout at `buf`."""
+    return gpu.to_host(Activation(buf, 1, width // 32 * (32 + 8) // 4)).tobytes()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize(("k", "n_ff"), [(576, 1536), (2048, 8192), (4096, 14336)])
+def test_one_row_gate_up_hands_the_down_projection_its_output_quantized(
+    gpu, qtype, k, n_ff, monkeypatch
+):
+    """A one-row gate|up GEMV also writes its SwiGLU outputs in the GEMV's q8 layout (its
+    blocks own whole 32-blocks and quantize each): the bytes rf_quantize_q8_gemv makes of
+    that row, whatever the grid, and the down projection copying them gives the bits of one
+    whose blocks quantize the row themselves."""
+    rng = np.random.default_rng(k + n_ff + qtype)
+    gain = gpu.vector(WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32)))
+    gate_up = gpu.linear(weight(rng, n_ff, k, qtype, "gate"), weight(rng, n_ff, k, qtype, "up"))
+    down = gpu.linear(weight(rng, k, n_ff))
+    ws = gpu.workspace
+    monkeypatch.setattr(gpu.matmul, "swiglu_blocks_spread", lambda n_out: True)
+    # A block per 32-block (up to 4 a multiprocessor), several 32-blocks a block, one block.
+    for blocks_per_sm in (4, 1, 0):
+        monkeypatch.setattr(gpu.matmul, "gemv_max_blocks_per_sm", blocks_per_sm)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        residual = rng.standard_normal((1, k)).astype(np.float32)
+        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", 0)
+        h = gpu.norm_gate_up_swiglu(gpu.load_activation(x), gain, gate_up)
+        assert h.q8 == ws.ffn_xq.ptr
+        from_swiglu = q8_bytes(gpu, ws.ffn_xq, n_ff)
+        res_act = gpu.load_activation(residual)
+        copied = gpu.to_host(gpu.matmul_add(h, down, res_act))
+
+        plain = Activation(h.buf, 1, n_ff)  # the same float row, no q8 form
+        for min_k in (0, n_ff + 1):  # rf_quantize_q8_gemv, then every block quantizing
+            monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
+            gpu.load_activation(residual)
+            assert np.array_equal(gpu.to_host(gpu.matmul_add(plain, down, res_act)), copied)
+        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", 0)
+        gpu.load_activation(residual)
+        gpu.matmul_add(plain, down, res_act)
+        assert q8_bytes(gpu, ws.gemv_xq, n_ff) == from_swiglu, blocks_per_sm
+
+
+def test_a_narrow_gate_up_leaves_the_quantization_to_the_down_projections_blocks(gpu):
+    """Where its 32-blocks do not spread over the multiprocessors (SmolLM2's 1536 outputs:
+    48 of them), the gate|up GEMV writes no q8 form: the down projection quantizes it."""
+    rng = np.random.default_rng(5)
+    gain = gpu.vector(WeightTensor("g", Q.F32, (576,), np.ones(576, dtype=np.float32)))
+    gate_up = gpu.linear(weight(rng, 1536, 576, name="gate"), weight(rng, 1536, 576, name="up"))
+    x = gpu.load_activation(rng.standard_normal((1, 576)).astype(np.float32))
+    assert gpu.norm_gate_up_swiglu(x, gain, gate_up).q8 == 0
 
 
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])

@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fake_driver import INFO as FAKE_INFO
 from fake_driver import FakeDriver
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, weight
@@ -40,6 +43,7 @@ from rocforge_rt.backends.gpu.matmul import (
     GEMV_MULTI_ROW_NO,
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
+    Matmul,
     mmv_tiles,
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
@@ -106,6 +110,8 @@ def test_known_kernels_have_the_signatures_their_declarations_state() -> None:
     plain_tail = ("i32", "ptr", "ptr")  # epilogue, residual, out
     rope_tail = ("ptr",) * 7 + ("i32",) * 5  # step state, tables, q, KV pool; dims, n_ctx
     assert found["rf_gemv_q4_0_b1_n1"] == GEMV_HEAD + plain_tail
+    assert found["rf_gemv_q4_0_b1_n2_swiglu"] == GEMV_HEAD + plain_tail
+    assert found["rf_gemv_q4_0_b1_n2_swiglu_q8"] == GEMV_HEAD + plain_tail + ("ptr",)  # q8 out
     assert found["rf_gemv_q8_0_b8_n1_swiglu"] == GEMV_HEAD + plain_tail
     assert found["rf_gemv_q4_0_b1_n2_rope"] == GEMV_HEAD + rope_tail
     assert found["rf_gemv_q4_0_b8_n2_rope"] == GEMV_HEAD + rope_tail
@@ -182,6 +188,7 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
         "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
         "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1",
         "rf_mmv_q4_0_t1_swiglu", "rf_mmv_q4_0_t1_rope", "rf_quantize_q8_gemv",
+        "rf_gemv_q4_0_b1_swiglu_q8",
     }  # fmt: skip
 
 
@@ -320,9 +327,30 @@ def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
         for (fmt, variant), choices in GEMV_ROWS_PER_WARP.items()
         for no in choices
     }
+    wanted |= {
+        f"rf_gemv_{fmt}_b1_n{no}_swiglu_q8"
+        for fmt in ("q4_0", "q8_0")
+        for no in GEMV_ROWS_PER_WARP[(fmt, "_swiglu")]
+    }
     wanted |= {f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
                f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
     assert wanted <= declared, sorted(wanted - declared)
+
+
+@pytest.mark.parametrize(
+    ("n_ff", "spread"),
+    [(8192, True), (14336, False), (16896, True), (4352, False), (1536, False)],
+)  # 32-blocks on 132 SMs: Llama-3.2-1B 256 (1.03x the mean at most), Llama-3-8B 448 (1.18x),
+# 528 (1x), 136 (1.94x), SmolLM2 48 (fewer than the SMs)
+def test_a_gate_up_quantizes_for_the_down_projection_where_its_32_blocks_spread_evenly(
+    n_ff: int, spread: bool
+) -> None:
+    info = dataclasses.replace(FAKE_INFO, multiprocessors=132)
+    matmul = Matmul(SimpleNamespace(info=info), SimpleNamespace(launch=None), None, None,
+                    n_ctx=1, max_tokens=1, vendor_gemm=None)  # fmt: skip
+    assert matmul.swiglu_blocks_spread(n_ff) == spread
+    matmul.gemv_prequant_min_k = n_ff + 1  # the down projection's blocks quantize it
+    assert not matmul.swiglu_blocks_spread(n_ff)
 
 
 # --- constants -----------------------------------------------------------------------------

@@ -227,8 +227,8 @@ class GpuBackend:
     def norm_gate_up_swiglu(self, x: Activation, norm: Any, weight: DeviceMatrix) -> Activation:
         n_ff = weight.n // 2
         h = self.workspace.h
-        self.matmul(weight, x, n_ff, h.ptr, gain=norm, epilogue=EPILOGUE_SWIGLU)
-        return Activation(h, x.rows, n_ff)
+        q8 = self.matmul(weight, x, n_ff, h.ptr, gain=norm, epilogue=EPILOGUE_SWIGLU)
+        return Activation(h, x.rows, n_ff, q8=q8)
 
     def lm_head(
         self, x: Activation, norm: Any, weight: DeviceMatrix, batch: StepBatch

@@ -141,6 +141,9 @@ class Workspace:
         # layout: int8 quants, then an f32 scale and an i32 sum per block), written by
         # rf_quantize_q8_gemv or the decode attention kernel.
         self.gemv_xq = self.zeros(stage_blocks * (QK + 8))
+        # The down projection's row, the same, written by the gate|up GEMV's SwiGLU epilogue
+        # (its own input may be in gemv_xq).
+        self.ffn_xq = self.zeros(math.ceil(hp.n_ff // QK / Q8_STAGE) * Q8_STAGE * (QK + 8))
         # The vendor GEMM's operands (when it is on): rows in fp16, one layer matrix in
         # fp16 (bigger ones, the LM head, go in slabs of rows), gate|up outputs in fp16,
         # and the library's own scratch.
