@@ -291,6 +291,12 @@ struct rf_weight_chunk {
 struct rf_gemv_item {
     int g, c;
 
+    // With blocks owning `per_block` row groups (a 32-block of outputs): whether group g is
+    // its warp's last of the 32-block.
+    RF_GEMV_MEMBER bool last_of_block(int per_block) const {
+        return g % per_block + RF_GEMV_WARPS >= per_block;
+    }
+
     // The next chunk of this group, else the first of the warp's next group: g + stride, or
     // with blocks owning `per_block` groups (a 32-block of outputs; 0: they do not) the next
     // of this block's groups, then the first of its next 32-block.
@@ -301,8 +307,8 @@ struct rf_gemv_item {
         if (per_block == 0) {
             return rf_gemv_item{g + stride, 0};
         }
-        const bool block_done = g % per_block + RF_GEMV_WARPS >= per_block;
-        const int skip = block_done ? ((int)gridDim.x - 1) * per_block : 0;  // other blocks'
+        // past the other blocks' 32-blocks after this warp's last group of its own
+        const int skip = last_of_block(per_block) ? ((int)gridDim.x - 1) * per_block : 0;
         return rf_gemv_item{g + RF_GEMV_WARPS + skip, 0};
     }
 };
@@ -451,7 +457,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                         staged[staging][row % RF_QK] = h;
                     }
                 }
-                if (per_block && item.g % per_block + RF_GEMV_WARPS >= per_block) {
+                if (per_block && item.last_of_block(per_block)) {
                     // every warp's last group of the 32-block: its outputs are staged
                     __syncthreads();
                     if (warp == 0) {

@@ -77,6 +77,7 @@ class FakeDriver(Driver):
         self._streams = 0
         self.log: list[tuple[str, str, bytes]] = []  # ('launch' | 'replay', kernel, arg bytes)
         self.prepared: list[tuple] = []  # _launcher calls
+        self.shared_opt_ins: list[tuple[Any, int]] = []  # _allow_dynamic_shared calls
         self.launch_status = 0  # what launches return; nonzero makes them fail
         self.clock_us = 0.0
         self.durations_us: dict[str, float] = {}  # device time of each kernel's launch
@@ -156,7 +157,7 @@ class FakeDriver(Driver):
         pass
 
     def _allow_dynamic_shared(self, function: Any, nbytes: int) -> None:
-        pass
+        self.shared_opt_ins.append((function, nbytes))
 
     def _launcher(
         self, function, grid, block, shared_bytes, stream, params_ptr, overlap

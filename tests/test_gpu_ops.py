@@ -16,6 +16,7 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
+from rocforge_rt.backends.gpu.matmul import GEMV_EARLY_RELEASE_BLOCKS_PER_SM
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -81,12 +82,13 @@ def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
     assert np.array_equal(pre_added, own_added)
 
 
-@pytest.mark.parametrize("n", [576, 3072])  # 72 and 192 blocks
-def test_a_gemv_releases_its_successor_early_exactly_when_its_grid_leaves_multiprocessors_idle(
+@pytest.mark.parametrize("n", [576, 3072, 9216])  # 72, 192 and 288 blocks
+def test_a_gemv_releases_its_successor_early_exactly_when_the_device_holds_its_grid_at_once(
     gpu, n, monkeypatch
 ):
     """release_early (kernels/gemv.hip) is passed for a one-row GEMV grid of fewer blocks
-    than the device has multiprocessors, and changes no bit of the outputs."""
+    than GEMV_EARLY_RELEASE_BLOCKS_PER_SM a multiprocessor, and changes no bit of the
+    outputs."""
     rng = np.random.default_rng(n)
     k = 576
     x = gpu.load_activation(rng.standard_normal((1, k)).astype(np.float32))
@@ -96,7 +98,8 @@ def test_a_gemv_releases_its_successor_early_exactly_when_its_grid_leaves_multip
     default = gpu.to_host(gpu.norm_matmul(x, gain, matrix))
     (handle,) = [h for key, h in gpu.launcher.handles.items() if key not in before]
     release = struct.unpack_from("<i", handle.packed_bytes, handle.layout.offsets[9])[0]
-    assert release == int(handle.grid[0] < gpu.driver.info.multiprocessors)
+    sms = gpu.driver.info.multiprocessors
+    assert release == int(handle.grid[0] < GEMV_EARLY_RELEASE_BLOCKS_PER_SM * sms)
     for blocks_per_sm in (0, 10**6):  # never, always
         monkeypatch.setattr(gpu.matmul, "gemv_early_release_blocks_per_sm", blocks_per_sm)
         assert np.array_equal(gpu.to_host(gpu.norm_matmul(x, gain, matrix)), default)

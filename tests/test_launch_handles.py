@@ -8,6 +8,7 @@ streams, a second thread) show up here exactly as they would on a device.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -96,6 +97,27 @@ def test_c_layout(types: tuple[str, ...], offsets: tuple[int, ...], size: int) -
     assert layout.offsets == offsets
     assert layout.size == size
     assert struct.calcsize(layout.format) == size
+
+
+def test_a_kernel_opts_in_past_48_kib_of_shared_memory_and_never_back(driver: FakeDriver) -> None:
+    """A handle past the default dynamic shared memory raises its kernel's limit; a later
+    handle asking less leaves it, so the first handle's launches keep their room; past the
+    device's most, it fails."""
+    driver.info = dataclasses.replace(driver.info, max_shared_per_block=227 << 10)
+    function = driver.load_module(b"m").function("k")
+
+    def handle(shared_bytes: int) -> LaunchHandle:
+        return LaunchHandle(
+            driver, function, name="k", grid=(1, 1, 1), block=(1, 1, 1),
+            shared_bytes=shared_bytes, stream=driver.create_stream(), arg_types=KERNELS["k"],
+        )  # fmt: skip
+
+    for shared_bytes in (1024, 96 << 10, 64 << 10, 96 << 10, 100 << 10):
+        handle(shared_bytes)
+    assert driver.shared_opt_ins == [(function.handle, 96 << 10), (function.handle, 100 << 10)]
+    assert function.dynamic_shared_limit == 100 << 10
+    with pytest.raises(BackendError, match="exceed the device's 232448 per block"):
+        handle(228 << 10)
 
 
 def test_unknown_type_is_rejected() -> None:

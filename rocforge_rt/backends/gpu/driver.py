@@ -209,19 +209,26 @@ class Event:
         return self._driver.event_elapsed_ms(self, end)
 
 
+DEFAULT_DYNAMIC_SHARED = 48 << 10  # dynamic shared memory a launch may take without opt-in
+
+
 class Function:
     """A kernel in a loaded module."""
 
-    __slots__ = ("_driver", "handle", "name")
+    __slots__ = ("_driver", "dynamic_shared_limit", "handle", "name")
 
     def __init__(self, driver: Driver, handle: Any, name: str) -> None:
         self._driver = driver
         self.handle = handle
         self.name = name
+        self.dynamic_shared_limit = DEFAULT_DYNAMIC_SHARED
 
-    def set_max_dynamic_shared(self, nbytes: int) -> None:
-        """Allow launches with up to `nbytes` of dynamic shared memory."""
-        self._driver.set_max_dynamic_shared(self, nbytes)
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Let launches take up to `nbytes` of dynamic shared memory (past 48 KiB an opt-in
+        the driver records per kernel: the limit only grows, so no launch loses it)."""
+        if nbytes > self.dynamic_shared_limit:
+            self._driver.set_max_dynamic_shared(self, nbytes)
+            self.dynamic_shared_limit = nbytes
 
     def __repr__(self) -> str:
         return f"Function({self.name!r})"

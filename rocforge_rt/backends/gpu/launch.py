@@ -155,6 +155,7 @@ class LaunchHandle:
         self.storage_address = base
         self._f32_slots = tuple(i for i, t in enumerate(self.layout.types) if t == "f32")
         self._last_values: tuple | None = None  # values known to pack to the stored bytes
+        function.allow_dynamic_shared(self.shared_bytes)
         self._launch = driver.prepare_launch(
             function, self.grid, self.block, self.shared_bytes, stream, self.params_ptr, overlap
         )

@@ -74,10 +74,13 @@ GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiproce
 GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer prologues; 8 measured
 # 0.6-0.8% slower in 1B and 8B decode on an H100)
 # A GEMV whose grid has fewer blocks than this many a multiprocessor lets its successor
-# launch right after its own wait, not at its end (kernels/gemv.hip, release_early): it
-# leaves multiprocessors idle for the next kernel's blocks. With every GEMV releasing early,
-# decode measured (H200, two runs) SmolLM2 +5.8/+5.1%, 1B -2.1/-2.2%, 8B +0.8%.
-GEMV_EARLY_RELEASE_BLOCKS_PER_SM = 1
+# launch right after its own wait, not at its end (kernels/gemv.hip, release_early). Every
+# one-row GEMV kernel fits two blocks a multiprocessor at once (registers), so such a grid
+# runs in one wave: the successor's blocks, waiting, take only room it leaves. Larger grids
+# (the gate|up and LM head GEMVs at up to GEMV_MAX_BLOCKS_PER_SM) would have their own
+# later blocks queue behind them. Decode A/B (H200, three runs; from 1 to 2): SmolLM2
+# +1.3% to +3.7%, 1B +0.5% to +1.4%, 8B +4.0% to +4.6% (README.md, "Single-stream decode").
+GEMV_EARLY_RELEASE_BLOCKS_PER_SM = 2
 # From this many columns a one-row GEMV's activation is quantized once, by
 # rf_quantize_q8_gemv, and its blocks copy it (one launch more) instead of each
 # quantizing it. Measured on an H100 (decode tok/s): 1B 1,404 with 2048, 1,301 with 4096
@@ -217,6 +220,7 @@ class Matmul:
         self.mmv_min_rows = MMV_MIN_ROWS
         self.gemv_prequant_min_k = GEMV_PREQUANT_MIN_K  # A/B levers
         self.quantize_swiglu = True
+        self.swiglu_q8_imbalance = SWIGLU_Q8_IMBALANCE
         self.gemv_max_blocks_per_sm = GEMV_MAX_BLOCKS_PER_SM
         self.gemv_early_release_blocks_per_sm = GEMV_EARLY_RELEASE_BLOCKS_PER_SM
         self.mmv_warps_per_sm = MMV_WARPS_PER_SM
@@ -371,14 +375,13 @@ class Matmul:
     def swiglu_blocks_spread(self, n_out: int) -> bool:
         """Whether a one-row gate|up GEMV of `n_out` outputs quantizes them for the down
         projection, its blocks owning whole 32-blocks: where the down projection would
-        otherwise quantize them once first (`gemv_prequant_min_k`), and the 32-blocks give
-        every multiprocessor one and the busiest at most SWIGLU_Q8_IMBALANCE x the mean."""
-        sms = self.driver.info.multiprocessors
-        per_sm = n_out // QK / sms
+        otherwise quantize them once first (`gemv_prequant_min_k`), and the busiest
+        multiprocessor gets at most `swiglu_q8_imbalance` (SWIGLU_Q8_IMBALANCE) x the mean
+        of 32-blocks (below one a multiprocessor, the mean leaves some idle)."""
+        per_sm = n_out // QK / self.driver.info.multiprocessors
         return (
             n_out >= self.gemv_prequant_min_k
-            and per_sm >= 1
-            and math.ceil(per_sm) <= SWIGLU_Q8_IMBALANCE * per_sm
+            and math.ceil(per_sm) <= self.swiglu_q8_imbalance * per_sm
         )
 
     def _store_args(
