@@ -14,7 +14,7 @@ over its rounds' averages), and the ratios are printed. Results go to --out as J
 A/B of kernel changes in one run, the trees' engines timed in turn each round);
 --matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
 attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
-gemv_max_blocks_per_sm=2; a lever off: quantize_swiglu=0,quantize_normed=0).
+gemv_max_blocks_per_sm=2; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1).
 """
 
 import argparse

@@ -560,13 +560,9 @@ class CpuBackend:
         for run in runs:
             keys = self.keys_t[layer][run.slot].view(np.uint16)  # [Hkv, D, n_ctx]
             values = self.v_cache[layer][run.slot].view(np.uint16)  # [n_ctx, Hkv, D]
-            if isinstance(run.rows, slice):  # the kernel writes the rows' outputs in place
-                attend(queries[run.rows], keys, values, run.positions, self.attention_scale,
-                       out[run.rows])  # fmt: skip
-            else:
-                mixed = np.empty((len(run.rows), hp.n_head, hp.head_dim_v), dtype=np.float32)
-                attend(queries[run.rows], keys, values, run.positions, self.attention_scale,
-                       mixed)  # fmt: skip
+            mixed = out[run.rows]  # a view of the rows where they are a slice, else a copy
+            attend(queries[run.rows], keys, values, run.positions, self.attention_scale, mixed)
+            if not isinstance(run.rows, slice):
                 out[run.rows] = mixed
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)
 
