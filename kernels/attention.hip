@@ -81,7 +81,7 @@ static_assert(RF_ATTN_MAX_GROUP <= 16, "a token's heads fit one 16-row mma block
 static_assert(RF_ATTN_MAX_D == 128, "the kernels are instantiated for d = 32, 64, 96, 128");
 #define RF_ATTN_THREADS (RF_ATTN_WARPS * 32)
 #define RF_ATTN_CHUNK 8  // 8-dim column blocks of acc computed at a time (registers)
-#define RF_ATTN_FOLD_BATCH 8  // parts a folding thread loads before folding them
+#define RF_ATTN_FOLD_BATCH 12  // parts a folding thread loads before folding them (registers)
 #define RF_ATTN_STAGE(D) (RF_ATTN_TILE * ((D) + 8))  // halves a staged tile of head dim D
 
 struct alignas(8) rf_attn_f32x2 {

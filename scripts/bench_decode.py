@@ -14,7 +14,8 @@ over its rounds' averages), and the ratios are printed. Results go to --out as J
 A/B of kernel changes in one run, the trees' engines timed in turn each round);
 --matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
 attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
-gemv_max_blocks_per_sm=2; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1).
+gemv_max_blocks_per_sm=2; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1);
+--attention-lever likewise for its Attention (e.g. quantize_out=0).
 """
 
 import argparse
@@ -80,7 +81,7 @@ class ModeBench:
         overlap: bool = True,
         lookahead: bool = True,
         kernels: tuple[str, str] | None = None,
-        lever: tuple[tuple[str, float], ...] = (),
+        lever: tuple[str, tuple[tuple[str, float], ...]] = ("matmul", ()),
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
@@ -91,14 +92,15 @@ class ModeBench:
         self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
         if kernels:
             self.label += f" [{kernels[0]}]"
-        for attr, value in lever:
-            matmul = getattr(self.engine.backend, "matmul", None)
-            if not isinstance(getattr(matmul, attr, None), int | float):
+        part, settings = lever
+        for attr, value in settings:
+            owner = getattr(self.engine.backend, part, None)
+            if not isinstance(getattr(owner, attr, None), int | float):
                 raise SystemExit(f"error: the {self.engine.backend.name} backend has no "
-                                 f"numeric Matmul attribute {attr!r}")  # fmt: skip
-            setattr(matmul, attr, value)
-        if lever:
-            self.label += f" [{','.join(f'{attr}={value}' for attr, value in lever)}]"
+                                 f"numeric {part.title()} attribute {attr!r}")  # fmt: skip
+            setattr(owner, attr, value)
+        if settings:
+            self.label += f" [{','.join(f'{attr}={value}' for attr, value in settings)}]"
         self.rng = np.random.default_rng(0)
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
@@ -168,8 +170,8 @@ def kernels_variant(text: str) -> tuple[str, str]:
     return name, directory
 
 
-def matmul_lever(text: str) -> tuple[tuple[str, float], ...]:
-    """ATTR=VALUE[,ATTR=VALUE...] of --matmul-lever (each VALUE a number)."""
+def lever_settings(text: str) -> tuple[tuple[str, float], ...]:
+    """ATTR=VALUE[,ATTR=VALUE...] of --matmul-lever or --attention-lever (each VALUE a number)."""
     settings = []
     for item in text.split(","):
         attr, sep, value = item.partition("=")
@@ -228,8 +230,12 @@ def main() -> int:
         help="also load each engine with the kernel sources in DIR (an A/B of kernel trees)",
     )  # fmt: skip
     parser.add_argument(
-        "--matmul-lever", action="append", type=matmul_lever, default=[], metavar="ATTR=VALUE",
+        "--matmul-lever", action="append", type=lever_settings, default=[], metavar="ATTR=VALUE",
         help="also load each GPU engine with its Matmul's ATTR set to VALUE (a launch A/B)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention-lever", action="append", type=lever_settings, default=[],
+        metavar="ATTR=VALUE", help="the same for the GPU backend's Attention",
     )  # fmt: skip
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
@@ -239,7 +245,10 @@ def main() -> int:
     for mode in (args.mode or list(MODES)) if on_gpu else [None]:
         benches.append(ModeBench(args, mode))
         benches += [ModeBench(args, mode, kernels=variant) for variant in args.kernels]
-        benches += [ModeBench(args, mode, lever=lever) for lever in args.matmul_lever]
+        benches += [ModeBench(args, mode, lever=("matmul", lever)) for lever in args.matmul_lever]
+        benches += [
+            ModeBench(args, mode, lever=("attention", lever)) for lever in args.attention_lever
+        ]
         if mode and args.overlap_ab:
             benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:

@@ -248,11 +248,18 @@ def test_decode_bench_refuses_a_matmul_lever_that_is_not_a_number_or_not_an_attr
     assert "no numeric Matmul attribute 'gemv_max_blocks_per_sm'" in result.stderr
 
 
-def test_one_matmul_lever_sets_several_attributes_of_one_engine():
+def test_decode_bench_refuses_an_attention_lever_the_backend_lacks(tiny_model):
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--attention-lever", "quantize_out=0")  # fmt: skip
+    assert result.returncode == 1
+    assert "no numeric Attention attribute 'quantize_out'" in result.stderr
+
+
+def test_one_lever_sets_several_attributes_of_one_engine():
     spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
     bench_decode = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_decode)
-    both = bench_decode.matmul_lever("quantize_swiglu=0,gemv_max_blocks_per_sm=2.5")
+    both = bench_decode.lever_settings("quantize_swiglu=0,gemv_max_blocks_per_sm=2.5")
     assert both == (("quantize_swiglu", 0), ("gemv_max_blocks_per_sm", 2.5))
 
 
