@@ -46,12 +46,12 @@
 //   stage together: 2 at D = 64) is block 0's alone: it stages them all at once and folds
 //   their parts as it computes them, in order. A longer context's parts go to `partial`
 //   [n_tokens, n_head, max_tiles, d + 4] (acc[d], m, l, 2 unused) and the last block of
-//   the (token, KV head) to finish folds them all in order, each thread loading
-//   RF_ATTN_FOLD_BATCH parts before folding them (counters uint32 [n_tokens, n_kv], zero
-//   before the first launch, reset by that block). The grid is sized for the whole
-//   context; blocks past the token's last tile exit. In a one-row step a block stages the
-//   cache rows before the token's position ahead of its wait for the previous kernel (they
-//   are earlier steps').
+//   the (token, KV head) to finish folds them all in order, each thread loading them
+//   RF_ATTN_FOLD_BATCH at a time, one batch on its way while the one before is folded
+//   (counters uint32 [n_tokens, n_kv], zero before the first launch, reset by that block).
+//   The grid is sized for the whole context; blocks past the token's last tile exit. In a
+//   one-row step a block stages the cache rows before the token's position ahead of its
+//   wait for the previous kernel (they are earlier steps').
 //   Launch: grid (n_kv, n_tokens, max_tiles), block RF_ATTN_WARPS * 32.
 // rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
 //   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
@@ -81,7 +81,7 @@ static_assert(RF_ATTN_MAX_GROUP <= 16, "a token's heads fit one 16-row mma block
 static_assert(RF_ATTN_MAX_D == 128, "the kernels are instantiated for d = 32, 64, 96, 128");
 #define RF_ATTN_THREADS (RF_ATTN_WARPS * 32)
 #define RF_ATTN_CHUNK 8  // 8-dim column blocks of acc computed at a time (registers)
-#define RF_ATTN_FOLD_BATCH 12  // parts a folding thread loads before folding them (registers)
+#define RF_ATTN_FOLD_BATCH 6  // parts of a folding thread's batch (two batches: registers)
 #define RF_ATTN_STAGE(D) (RF_ATTN_TILE * ((D) + 8))  // halves a staged tile of head dim D
 
 struct alignas(8) rf_attn_f32x2 {
@@ -290,6 +290,55 @@ RF_DEVICE_INLINE void rf_attn_fold_ml(float& big_m, float& big_l, float m, float
 RF_DEVICE_INLINE float rf_attn_fold_a(float a, float acc, float alpha, float beta) {
     return fmaf(acc, beta, a * alpha);
 }
+
+// A batch of a folding thread's parts: dims c..c + 3 of the acc, and m, l, of up to
+// RF_ATTN_FOLD_BATCH tiles in order.
+template <int D>
+struct rf_attn_fold_batch {
+    rf_attn_f32x4 acc[RF_ATTN_FOLD_BATCH];
+    rf_attn_f32x2 ml[RF_ATTN_FOLD_BATCH];
+
+    // The parts of the first n of the tiles from `record` (the first one's part) on.
+    RF_DEVICE_MEMBER void load(const float* record, int c, int n) {
+        constexpr int RECORD = D + 4;  // a part: acc[D], m, l, 2 unused
+#pragma unroll
+        for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
+            if (b < n) {
+                acc[b] = *(const rf_attn_f32x4*)(record + b * RECORD + c);
+                ml[b] = *(const rf_attn_f32x2*)(record + b * RECORD + D);
+            }
+        }
+    }
+
+    // Fold the first n parts into the state (M, Lsum, A of dims c..c + 3), in order: each
+    // part's steps are rf_attn_fold_ml's and rf_attn_fold_a's, grouped so that no branch
+    // or exponential sits between one part's fmaf and the next's (the running maxima, an
+    // exact fmaxf chain, then every alpha and beta, then the Lsum and A chains).
+    RF_DEVICE_MEMBER void fold(int n, float& big_m, float& big_l, float a[4]) const {
+        float m_before[RF_ATTN_FOLD_BATCH], m_after[RF_ATTN_FOLD_BATCH];
+#pragma unroll
+        for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
+            m_before[b] = big_m;
+            big_m = b < n ? fmaxf(big_m, ml[b].v[0]) : big_m;
+            m_after[b] = big_m;
+        }
+        float alpha[RF_ATTN_FOLD_BATCH], beta[RF_ATTN_FOLD_BATCH];
+#pragma unroll
+        for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
+            alpha[b] = rf_exp2(m_before[b] - m_after[b]);
+            beta[b] = rf_exp2(ml[b].v[0] - m_after[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
+            const bool part = b < n;
+            big_l = part ? fmaf(ml[b].v[1], beta[b], big_l * alpha[b]) : big_l;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a[e] = part ? rf_attn_fold_a(a[e], acc[b].v[e], alpha[b], beta[b]) : a[e];
+            }
+        }
+    }
+};
 
 // ---------------------------------------------------------------------------------------
 // The decode block's K/V stage: two tiles of head dim 64, which holds one of the widest.
@@ -517,8 +566,8 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         return;
     }
     // The last block of this (token, KV head) to finish folds every tile's part in order,
-    // a thread per (head, 4 dims), loading RF_ATTN_FOLD_BATCH parts at a time before
-    // folding them, after the whole block has asked for every part's lines in L1.
+    // a thread per (head, 4 dims), in batches (rf_attn_fold_batch), after the whole block
+    // has asked for every part's lines in L1.
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();  // the block's parts (ordered before by the barrier) are visible
@@ -543,27 +592,23 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         const int h = i / (D / 4), c = 4 * (i % (D / 4));
         const float* record = parts + (int64_t)h * max_tiles * RECORD;
         float big_m1 = -RF_INFINITY, big_l1 = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j0 = 0; j0 < n_tiles; j0 += RF_ATTN_FOLD_BATCH) {
-            rf_attn_f32x4 acc[RF_ATTN_FOLD_BATCH];
-            rf_attn_f32x2 ml[RF_ATTN_FOLD_BATCH];
-#pragma unroll
-            for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
-                if (j0 + b < n_tiles) {
-                    acc[b] = *(const rf_attn_f32x4*)(record + (j0 + b) * RECORD + c);
-                    ml[b] = *(const rf_attn_f32x2*)(record + (j0 + b) * RECORD + D);
-                }
+        // Batches x and y in turn: the next one loads while this one is folded.
+        rf_attn_fold_batch<D> x, y;
+        x.load(record, c, n_tiles);
+        for (int j = 0; j < n_tiles; j += 2 * RF_ATTN_FOLD_BATCH) {
+            const int k = j + RF_ATTN_FOLD_BATCH;  // y's first tile
+            if (k < n_tiles) {
+                y.load(record + k * RECORD, c, n_tiles - k);
             }
-#pragma unroll
-            for (int b = 0; b < RF_ATTN_FOLD_BATCH; ++b) {
-                if (j0 + b < n_tiles) {
-                    float alpha1, beta1;
-                    rf_attn_fold_ml(big_m1, big_l1, ml[b].v[0], ml[b].v[1], alpha1, beta1);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        a[e] = rf_attn_fold_a(a[e], acc[b].v[e], alpha1, beta1);
-                    }
-                }
+            x.fold(n_tiles - j, big_m1, big_l1, a);
+            if (k >= n_tiles) {
+                break;
             }
+            const int next = k + RF_ATTN_FOLD_BATCH;
+            if (next < n_tiles) {
+                x.load(record + next * RECORD, c, n_tiles - next);
+            }
+            y.fold(n_tiles - k, big_m1, big_l1, a);
         }
         rf_attn_f32x4 v;
 #pragma unroll

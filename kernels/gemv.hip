@@ -68,7 +68,6 @@
 #define RF_GEMV_UNROLL (RF_GEMV_STAGES_PER_LANE * RF_Q8_STAGE)  // blocks per lane per row and chunk
 #define RF_GEMV_FOLD_STRIDE (RF_GEMV_STAGES_PER_LANE * RF_WARP_SIZE + 1)  // odd: no bank conflicts
 #define RF_GEMV_X_REGS 4  // 16-byte activation pieces per thread kept in registers
-#define RF_GEMV_MEMBER __device__ __forceinline__  // member functions (no `static`)
 
 struct alignas(16) rf_u32x4 {
     uint32_t v[4];
@@ -199,17 +198,17 @@ struct rf_q4_0_format {
     struct raw {
         rf_u32x4 q;
     };
-    static RF_GEMV_MEMBER void load(raw& w, const uint8_t* p) {
+    static RF_DEVICE_MEMBER void load(raw& w, const uint8_t* p) {
         w.q = *(const rf_u32x4*)p;
     }
-    static RF_GEMV_MEMBER void zero(raw& w) {
+    static RF_DEVICE_MEMBER void zero(raw& w) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             w.q.v[i] = 0u;
         }
     }
-    static RF_GEMV_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
-                                    int x_sum) {
+    static RF_DEVICE_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
+                                      int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -225,19 +224,19 @@ struct rf_q8_0_format {
     struct raw {
         rf_u32x4 lo, hi;
     };
-    static RF_GEMV_MEMBER void load(raw& w, const uint8_t* p) {
+    static RF_DEVICE_MEMBER void load(raw& w, const uint8_t* p) {
         w.lo = *(const rf_u32x4*)p;
         w.hi = *(const rf_u32x4*)(p + 16);
     }
-    static RF_GEMV_MEMBER void zero(raw& w) {
+    static RF_DEVICE_MEMBER void zero(raw& w) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             w.lo.v[i] = 0u;
             w.hi.v[i] = 0u;
         }
     }
-    static RF_GEMV_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
-                                    int x_sum) {
+    static RF_DEVICE_MEMBER int dot(const raw& w, const rf_u32x4& xl, const rf_u32x4& xh,
+                                      int x_sum) {
         int acc = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -265,8 +264,8 @@ struct rf_weight_chunk {
 
     // Load chunk c of row group g: blocks rf_gemv_block(c, u, lane) of each row (zeros
     // past the row's end or past n).
-    RF_GEMV_MEMBER void load(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
-                               int n, int n_blocks, int g, int c, int lane) {
+    RF_DEVICE_MEMBER void load(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
+                                 int n, int n_blocks, int g, int c, int lane) {
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
             const int out_row = g * NO + (j % NO);
@@ -293,14 +292,14 @@ struct rf_gemv_item {
 
     // With blocks owning `per_block` row groups (a 32-block of outputs): whether group g is
     // its warp's last of the 32-block.
-    RF_GEMV_MEMBER bool last_of_block(int per_block) const {
+    RF_DEVICE_MEMBER bool last_of_block(int per_block) const {
         return g % per_block + RF_GEMV_WARPS >= per_block;
     }
 
     // The next chunk of this group, else the first of the warp's next group: g + stride, or
     // with blocks owning `per_block` groups (a 32-block of outputs; 0: they do not) the next
     // of this block's groups, then the first of its next 32-block.
-    RF_GEMV_MEMBER rf_gemv_item next(int n_chunks, int stride, int per_block) const {
+    RF_DEVICE_MEMBER rf_gemv_item next(int n_chunks, int stride, int per_block) const {
         if (c + 1 < n_chunks) {
             return rf_gemv_item{g, c + 1};
         }

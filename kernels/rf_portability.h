@@ -40,11 +40,13 @@ typedef unsigned long long uint64_t;
 //   RF_KERNEL_BOUNDS_ONE(1024) void name(...) same, and registers for one such block a
 //                                             multiprocessor (not a guess of two)
 //   RF_DEVICE_INLINE T helper(...)            device-only inline helper
+//   RF_DEVICE_MEMBER T method(...)            the same for a member function
 #define RF_KERNEL extern "C" __global__
 #define RF_KERNEL_BOUNDS(max_threads) extern "C" __global__ __launch_bounds__(max_threads)
 #define RF_KERNEL_BOUNDS_ONE(max_threads) \
     extern "C" __global__ __launch_bounds__(max_threads, 1)
 #define RF_DEVICE_INLINE static __device__ __forceinline__
+#define RF_DEVICE_MEMBER __device__ __forceinline__  // member functions (no `static`)
 #define RF_RESTRICT __restrict__
 
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)

@@ -6,7 +6,9 @@ synthetic models (8B: QKV, O + residual, gate|up + SwiGLU, down + residual, LM
 head; likewise for the 1B and SmolLM2-135M shapes) by graph replay of many
 launches that rotate over enough weight copies to overflow the L2 cache, as a
 decode step streams a new matrix at every launch. Each shape runs:
-  - `auto`: the backend's own choice (GpuBackend.matmul.gemv), as decode uses it;
+  - `auto`: the backend's own choice (GpuBackend.matmul.gemv), as decode uses it, on the
+    row as decode hands it over: the O projection's (and the down projection's, where the
+    gate|up GEMV writes it so) already quantized by its writer, "(q8 row)";
   - every kernel variant (output rows per warp) x grid cap (blocks per SM);
   - with --baseline SRC, the kernel `auto` chose from an older gemv.hip of the same
     kernel interface, with the same launch (an A/B of kernel sources).
@@ -71,6 +73,9 @@ class Shape:
     fmt: str
     epilogue: int
     gain: bool
+    # The kernel whose decode output is this GEMV's row: "attention" (O), "swiglu" (down),
+    # "" (the residual stream, normalized by the GEMV).
+    row_from: str = ""
 
     @property
     def weight_rows(self) -> int:
@@ -90,9 +95,9 @@ def model_shapes(name: str, n_embd: int, n_ff: int, q_dim: int, kv_dim: int, voc
                  head_fmt: str) -> list[Shape]:  # fmt: skip
     return [
         Shape(f"{name} qkv", n_embd, q_dim + 2 * kv_dim, "q4_0", EPILOGUE_STORE, True),
-        Shape(f"{name} o+res", q_dim, n_embd, "q4_0", EPILOGUE_RESIDUAL, False),
+        Shape(f"{name} o+res", q_dim, n_embd, "q4_0", EPILOGUE_RESIDUAL, False, "attention"),
         Shape(f"{name} gate|up", n_embd, n_ff, "q4_0", EPILOGUE_SWIGLU, True),
-        Shape(f"{name} down+res", n_ff, n_embd, "q4_0", EPILOGUE_RESIDUAL, False),
+        Shape(f"{name} down+res", n_ff, n_embd, "q4_0", EPILOGUE_RESIDUAL, False, "swiglu"),
         Shape(f"{name} lm_head", n_embd, vocab, head_fmt, EPILOGUE_STORE, True),
     ]
 
@@ -113,6 +118,18 @@ def dequantize_rows(fmt: str, quants: np.ndarray, scales: np.ndarray) -> np.ndar
     else:
         q = quants.view(np.int8).reshape(quants.shape[0], -1, 32).astype(np.float32)
     return (q * d).reshape(quants.shape[0], -1)
+
+
+def row_quantized_by_writer(shape: Shape, backend: GpuBackend) -> bool:
+    """Whether a decode step hands this one-row GEMV its row already quantized by the kernel
+    that wrote it (so no rf_quantize_q8_gemv launch precedes it): the O projection's by the
+    attention kernel, the down projection's by the gate|up GEMV where that one's 32-blocks
+    of outputs spread evenly over the multiprocessors (Matmul.gemv)."""
+    if shape.row_from == "attention":
+        return backend.attention.quantize_out
+    if shape.row_from == "swiglu":
+        return backend.matmul.quantize_swiglu and backend.matmul.swiglu_blocks_spread(shape.k)
+    return False
 
 
 class Bench:
@@ -245,19 +262,6 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         print(f"{shape.name:>14} r{rows} {label:>22} grid {grid:6d}: {us:8.2f} us "
               f"{tbs:5.2f} TB/s  err {err:.1e}", flush=True)  # fmt: skip
 
-    # The backend's own choice, through GpuBackend.matmul.gemv (launch handles and all).
-    x_act = Activation(x_buf, rows, shape.k)
-
-    def auto(i: int) -> None:
-        backend.matmul.gemv(
-            matrices[i], x_act, shape.n, out_buf.ptr,
-            gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
-        )  # fmt: skip
-
-    auto(0)
-    chosen = list(backend.launcher.handles.values())[-1]
-    record(f"auto {chosen.name.removeprefix('rf_gemv_')}", auto, chosen.grid[0])
-
     xq_buf = backend.workspace.gemv_xq
     args_of = lambda m, xq: (  # noqa: E731
         m.qs.ptr, m.d.ptr, shape.n, shape.k, x_buf.ptr, rows, xq, gain_ptr, EPS, 0,
@@ -269,6 +273,24 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         (x_buf.ptr, shape.k, gain_ptr, EPS, xq_buf.ptr),
         bench.signatures["rf_quantize_q8_gemv"],
     )  # fmt: skip
+
+    # The backend's own choice, through GpuBackend.matmul.gemv (launch handles and all), on
+    # the row as decode hands it over: quantized by its writer (here once, untimed) or not.
+    written_q8 = rows == 1 and row_quantized_by_writer(shape, backend)
+    if written_q8:
+        quantize.launch()
+    x_act = Activation(x_buf, rows, shape.k, q8=xq_buf.ptr if written_q8 else 0)
+
+    def auto(i: int) -> None:
+        backend.matmul.gemv(
+            matrices[i], x_act, shape.n, out_buf.ptr,
+            gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
+        )  # fmt: skip
+
+    auto(0)
+    chosen = list(backend.launcher.handles.values())[-1]
+    label = f"auto {chosen.name.removeprefix('rf_gemv_')}" + (" (q8 row)" if written_q8 else "")
+    record(label, auto, chosen.grid[0])
     # One activation row may be quantized once (by rf_quantize_q8_gemv, timed with the
     # GEMV) and copied by the GEMV's blocks ("pre"), or by each block itself.
     prologues = [("", 0)] + ([("pre ", xq_buf.ptr)] if rows == 1 else [])
@@ -306,7 +328,8 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
                 record(f"{label}n{no} cap{grid / sms:.1f}", issue, grid)
 
     if bench.baseline is not None:  # the older source's kernel of the same name and launch
-        auto_xq = xq_buf.ptr if rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k else 0
+        prequant = rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k
+        auto_xq = xq_buf.ptr if written_q8 or prequant else 0
         handles = [
             bench.handle(
                 bench.baseline[chosen.name],
@@ -320,7 +343,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         ]
 
         def baseline(i: int) -> None:
-            if auto_xq:
+            if auto_xq and not written_q8:
                 quantize.launch()
             handles[i].launch()
 
