@@ -403,8 +403,7 @@ flood.sndhwm = 0
 flood.connect(f"tcp://127.0.0.1:{port}")
 for _ in range(20_000):  # far past the ROUTER's inbound queue: its reads of the peer stop
     flood.send(b"x" * 100)
-time.sleep(0.5)
-flood.close(linger=0)
+flood.close(linger=10_000)  # gone once all of it is on the connection (however long that takes)
 time.sleep(4.5)  # unread meanwhile, as while the daemon shuts down (two 2 s ZMTP heartbeats)
 read = 0
 while router.poll(200):
