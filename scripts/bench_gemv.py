@@ -343,7 +343,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         ]
 
         def baseline(i: int) -> None:
-            if auto_xq and not written_q8:
+            if prequant and not written_q8:
                 quantize.launch()
             handles[i].launch()
 

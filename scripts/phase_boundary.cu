@@ -63,24 +63,28 @@ __device__ __forceinline__ void pb_phase(const pb_f4& wv, const float* x, float*
     __syncthreads();  // red is reused by the next phase
 }
 
-// Phase p of the chain, x -> y; the next kernel may launch at this one's end.
-extern "C" __global__ void __launch_bounds__(PB_THREADS)
-    pb_chain_release_at_end(const pb_f4* w, int wstride, int p, const float* x, float* y) {
+// Phase p of the chain, x -> y; the next kernel may launch right after this one's wait
+// (EARLY, as decode's small GEMV grids) or at its end.
+template <bool EARLY>
+__device__ __forceinline__ void pb_chain(const pb_f4* w, int wstride, int p, const float* x,
+                                         float* y) {
     __shared__ float red[PB_THREADS / 32];
     const pb_f4 wv = pb_weights(w, p, wstride);
     pb_pdl_wait();
+    if (EARLY) {
+        pb_pdl_release();
+    }
     pb_phase(wv, x, y, red);
-    pb_pdl_release();
+    pb_pdl_release();  // a no-op after the early release
 }
 
-// The same, the next kernel released right after the wait (decode's small GEMV grids).
+extern "C" __global__ void __launch_bounds__(PB_THREADS)
+    pb_chain_release_at_end(const pb_f4* w, int wstride, int p, const float* x, float* y) {
+    pb_chain<false>(w, wstride, p, x, y);
+}
 extern "C" __global__ void __launch_bounds__(PB_THREADS)
     pb_chain_release_early(const pb_f4* w, int wstride, int p, const float* x, float* y) {
-    __shared__ float red[PB_THREADS / 32];
-    const pb_f4 wv = pb_weights(w, p, wstride);
-    pb_pdl_wait();
-    pb_pdl_release();
-    pb_phase(wv, x, y, red);
+    pb_chain<true>(w, wstride, p, x, y);
 }
 
 // Grid barrier with fences (as cooperative groups' grid sync): the last block to arrive
