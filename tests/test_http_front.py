@@ -545,6 +545,15 @@ def test_metrics_without_a_daemon_are_the_fronts_with_daemon_up_0() -> None:
     assert samples["rocforge:http_requests_total" + json.dumps(other, sort_keys=True)] == 1
 
 
+def test_a_streamed_event_is_one_line_for_line_readers_that_split_on_unicode_breaks():
+    from rocforge_rt.server.http.app import _sse
+
+    text = 'a\x1c\x1d\x1e\x85\u2028\u2029é\n"b'  # a sampled token may hold any of these
+    lines = list(httpx.Response(200, content=_sse({"text": text})).iter_lines())
+    assert lines == [lines[0], ""] and lines[0].startswith("data: {")
+    assert json.loads(lines[0][6:]) == {"text": text}
+
+
 async def stream_completion(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed completion's status, text and last chunk's finish reason and usage."""
     text, last = [], {}

@@ -98,10 +98,16 @@ class ClientGone(Exception):
     """The HTTP client closed its connection before its response."""
 
 
+# Characters JSON leaves raw in a string that common line readers (Python's
+# str.splitlines, httpx's aiter_lines) take for line breaks, though SSE does not:
+# escaped, so that every event stays one line for them too.
+_LINE_BREAKS_ESCAPED = {ord(c): f"\\u{ord(c):04x}" for c in "\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 def _sse(data: dict[str, Any]) -> bytes:
-    return (
-        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
+    """One server-sent event: `data` as one line of JSON (UTF-8, see _LINE_BREAKS_ESCAPED)."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.translate(_LINE_BREAKS_ESCAPED).encode() + b"\n\n"
 
 
 def _error_response(error: ApiError) -> JSONResponse:
