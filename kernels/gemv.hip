@@ -22,6 +22,12 @@
 // The weight loads of each warp's first chunk are issued before the prologue, so their
 // latency overlaps it. Measured on an H100, quantizing in every block cost the 8B
 // shape's GEMVs 2.4-9.7 us each (the most for the down projection's 14336 columns).
+// The _bulk kernels (plain one-row GEMVs) take each warp's chunks through a ring of
+// `ring` slots in shared memory instead (rf_weight_ring: bulk copies, its first `ring`
+// chunks fetched before the wait), and copy each into registers as it is multiplied; the
+// arithmetic, so the bits, are the register kernels'. Shared memory past the fold buffers,
+// rounded up to 16 bytes: RF_GEMV_WARPS * ring * (NO * Chunk::BLOCKS * (block bytes + 2) + 8)
+// (Chunk::BLOCKS = RF_WARP_SIZE * RF_GEMV_UNROLL blocks of a row a chunk).
 //
 // Main loop: one warp per group of NO output rows (2 * NO weight rows with the
 // SwiGLU epilogue: gate row r and up row r + n, loaded together). Lane l takes the
@@ -45,8 +51,8 @@
 // ... of each): the outputs are staged in shared memory, and after a barrier the first
 // warp quantizes the 32-block. No other block is waited for, nothing is read back.
 //
-// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_swiglu_q8|_rope]: R = 1 takes one activation row
-// (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be
+// Kernels: rf_gemv_<fmt>_b<R>_n<NO>[_swiglu|_swiglu_q8|_rope|_bulk]: R = 1 takes one
+// activation row (decode), R = 8 up to RF_GEMV_MAX_ROWS. The epilogue argument must be
 // RF_EPILOGUE_SWIGLU exactly for the _swiglu kernels; the _rope kernels (the QKV
 // projection) store through rf_rope_store instead (rf_rope.h) and take its arguments.
 //
@@ -258,7 +264,13 @@ RF_DEVICE_INLINE int rf_gemv_block(int c, int u, int lane) {
 // Weight rows and blocks one lane holds in registers: NW rows x RF_GEMV_UNROLL blocks.
 template <typename Format, int NO, bool SWIGLU>
 struct rf_weight_chunk {
+    using format = Format;
+    static constexpr int GROUP = NO;  // output rows
     static constexpr int NW = SWIGLU ? 2 * NO : NO;
+    // A chunk's blocks of one row, and one row's chunk in shared memory (the _bulk
+    // kernels): its quants, then its f16 scales.
+    static constexpr int BLOCKS = RF_WARP_SIZE * RF_GEMV_UNROLL;
+    static constexpr int PIECE = BLOCKS * (Format::block_bytes + 2);
     typename Format::raw q[NW][RF_GEMV_UNROLL];
     float d[NW][RF_GEMV_UNROLL];
 
@@ -266,17 +278,44 @@ struct rf_weight_chunk {
     // past the row's end or past n).
     RF_DEVICE_MEMBER void load(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                                  int n, int n_blocks, int g, int c, int lane) {
+        const uint8_t* quants[NW];
+        const uint16_t* scales[NW];
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
-            const int out_row = g * NO + (j % NO);
-            const int row = out_row + (j >= NO ? n : 0);
-            const int64_t row_block = (int64_t)row * n_blocks;
+            const int64_t row_block = (int64_t)(g * NO + (j % NO) + (j >= NO ? n : 0)) * n_blocks;
+            quants[j] = w_qs + row_block * Format::block_bytes;
+            scales[j] = w_d + row_block;
+        }
+        load_rows(quants, scales, 0, n, n_blocks, g, c, lane);
+    }
+
+    // The same from `slot`, where rf_weight_ring put chunk c of row group g.
+    RF_DEVICE_MEMBER void load_shared(const uint8_t* slot, int n, int n_blocks, int g, int c,
+                                        int lane) {
+        const uint8_t* quants[NW];
+        const uint16_t* scales[NW];
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+            quants[j] = slot + j * PIECE;
+            scales[j] = (const uint16_t*)(quants[j] + BLOCKS * Format::block_bytes);
+        }
+        load_rows(quants, scales, c * BLOCKS, n, n_blocks, g, c, lane);
+    }
+
+    // Chunk c of row group g from row j's blocks at quants[j] and scales[j], the first of
+    // them block `first` of the row.
+    RF_DEVICE_MEMBER void load_rows(const uint8_t* const (&quants)[NW],
+                                      const uint16_t* const (&scales)[NW], int first, int n,
+                                      int n_blocks, int g, int c, int lane) {
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+            const bool row_in = g * NO + (j % NO) < n;
 #pragma unroll
             for (int u = 0; u < RF_GEMV_UNROLL; ++u) {
                 const int b = rf_gemv_block(c, u, lane);
-                if (out_row < n && b < n_blocks) {
-                    Format::load(q[j][u], w_qs + (row_block + b) * Format::block_bytes);
-                    d[j][u] = rf_half_to_float(w_d[row_block + b]);
+                if (row_in && b < n_blocks) {
+                    Format::load(q[j][u], quants[j] + (b - first) * Format::block_bytes);
+                    d[j][u] = rf_half_to_float(scales[j][b - first]);
                 } else {
                     Format::zero(q[j][u]);
                     d[j][u] = 0.0f;
@@ -312,6 +351,84 @@ struct rf_gemv_item {
     }
 };
 
+// A warp's weight chunks on their way through shared memory (the _bulk kernels, no SwiGLU):
+// a ring of `n_slots` chunk slots, each of NO row pieces (Chunk::PIECE: a row's blocks of
+// the chunk, quants then scales) and completing on its own barrier. Lane j copies row j's
+// piece (bulk copies, rf_portability.h); the chunks are taken in the warp's order, each
+// slot refilled with the chunk n_slots on once every lane has read it.
+template <typename Chunk>
+struct rf_weight_ring {
+    static constexpr int SLOT = Chunk::NW * Chunk::PIECE;
+    uint8_t* slots;
+    uint64_t* bars;
+    int n_slots;
+    int taken;           // chunks taken: the next in slot taken % n_slots, phase
+                         // (taken / n_slots) % 2
+    rf_gemv_item ahead;  // the next chunk to fetch
+
+    // Chunk `it` into slot s.
+    RF_DEVICE_MEMBER void fetch(int s, rf_gemv_item it, const uint8_t* RF_RESTRICT w_qs,
+                                  const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
+                                  int lane) {
+        constexpr int NO = Chunk::GROUP, BB = Chunk::format::block_bytes;
+        const int first = it.c * Chunk::BLOCKS;
+        const int blocks = min(Chunk::BLOCKS, n_blocks - first);
+        if (lane == 0) {
+            rf_bulk_expect(&bars[s], min(NO, n - it.g * NO) * blocks * (BB + 2));
+        }
+        const int row = it.g * NO + lane;
+        if (lane < NO && row < n) {
+            const int64_t at = (int64_t)row * n_blocks + first;
+            uint8_t* piece = slots + s * SLOT + lane * Chunk::PIECE;
+            rf_bulk_reads_done();
+            rf_bulk_copy(piece, w_qs + at * BB, blocks * BB, &bars[s]);
+            rf_bulk_copy(piece + Chunk::BLOCKS * BB, w_d + at, blocks * 2, &bars[s]);
+        }
+    }
+
+    // Set up at `base` (after the fold buffers) with the warp's first chunk `first`, and
+    // fetch its first n_slots chunks.
+    RF_DEVICE_MEMBER void start(uint8_t* base, int slots_a_warp, rf_gemv_item first,
+                                  int n_groups, int n_chunks, int stride, int per_block,
+                                  const uint8_t* RF_RESTRICT w_qs,
+                                  const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
+                                  int warp, int lane) {
+        n_slots = slots_a_warp;
+        slots = base + warp * n_slots * SLOT;
+        bars = (uint64_t*)(base + RF_GEMV_WARPS * n_slots * SLOT) + warp * n_slots;
+        if (lane == 0) {
+            for (int s = 0; s < n_slots; ++s) {
+                rf_bulk_init(&bars[s]);
+            }
+            rf_bulk_init_done();
+        }
+        rf_syncwarp();
+        taken = 0;
+        ahead = first;
+        for (int s = 0; s < n_slots && ahead.g < n_groups; ++s) {
+            fetch(s, ahead, w_qs, w_d, n, n_blocks, lane);
+            ahead = ahead.next(n_chunks, stride, per_block);
+        }
+    }
+
+    // The next chunk in order (`it`, of row group it.g) into w; its slot then fetches the
+    // chunk n_slots on.
+    RF_DEVICE_MEMBER void take(Chunk& w, rf_gemv_item it, int n_groups, int n_chunks,
+                                 int stride, int per_block, const uint8_t* RF_RESTRICT w_qs,
+                                 const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
+                                 int lane) {
+        const int s = taken % n_slots;
+        rf_bulk_wait(&bars[s], (uint32_t)(taken / n_slots) & 1u);
+        w.load_shared(slots + s * SLOT, n, n_blocks, it.g, it.c, lane);
+        ++taken;
+        if (ahead.g < n_groups) {
+            rf_syncwarp();  // every lane has read the slot
+            fetch(s, ahead, w_qs, w_d, n, n_blocks, lane);
+            ahead = ahead.next(n_chunks, stride, per_block);
+        }
+    }
+};
+
 // Quantize the SwiGLU outputs of 32-block `block`, staged in shared memory, into xq (one
 // row, no gain), as rf_quantize_q8_gemv would: eight lanes of the calling warp.
 RF_DEVICE_INLINE void rf_gemv_quantize_staged(const float* staged, int block, int n,
@@ -325,18 +442,21 @@ RF_DEVICE_INLINE void rf_gemv_quantize_staged(const float* staged, int block, in
                  rf_q8_rows_at(xq, 1, n / RF_QK));
 }
 
-template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false, bool Q8OUT = false>
+template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false, bool Q8OUT = false,
+          bool BULK = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
                               const uint8_t* RF_RESTRICT xq, const float* RF_RESTRICT gain,
                               float eps, int release_early, int epilogue, const float* residual,
-                              float* out, const rf_rope_out& rope, uint8_t* xq_out) {
+                              float* out, const rf_rope_out& rope, uint8_t* xq_out,
+                              int ring_slots) {
     static_assert(!ROPE || (NO % 2 == 0 && !SWIGLU), "RoPE takes (even, odd) row pairs");
     constexpr int NW = SWIGLU ? 2 * NO : NO;
     constexpr int NV = NW * RCAP;  // sums of a row group: lane v folds (row v / RCAP, x row v % RCAP)
     static_assert(NV <= RF_WARP_SIZE, "one folding lane per sum");
     constexpr int SPL = RF_GEMV_STAGES_PER_LANE;
     using Chunk = rf_weight_chunk<Format, NO, SWIGLU>;
+    static_assert(!BULK || (RCAP == 1 && !SWIGLU && !ROPE), "the ring serves plain one-row GEMVs");
     extern __shared__ __align__(16) uint8_t rf_shared[];
     const int n_blocks = k / RF_QK;
     const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
@@ -359,8 +479,17 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     rf_gemv_item item{(int)blockIdx.x * (per_block ? per_block : RF_GEMV_WARPS) + warp, 0};
 
     Chunk w_a, w_b;
-    if (item.g < n_groups) {
-        w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);  // in flight during the wait and prologue
+    rf_weight_ring<Chunk> ring;
+    if (item.g < n_groups) {  // in flight during the wait and prologue
+        if (BULK) {
+            const int fold_end = (int)((uint8_t*)(scratch + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS +
+                                                  RF_GEMV_WARPS * NV * RF_GEMV_FOLD_STRIDE) -
+                                       rf_shared);
+            ring.start(rf_shared + (fold_end + 15) / 16 * 16, ring_slots, item, n_groups,
+                       n_chunks, stride, per_block, w_qs, w_d, n, n_blocks, warp, lane);
+        } else {
+            w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);
+        }
     }
     rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
     if (release_early) {
@@ -380,9 +509,12 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
 
     float total = 0.0f;  // lane v < NV: sum v of the current row group, folded so far
     // Chunk `item` from `use` while the next one loads into `fill`; false when done.
-    auto step = [&](const Chunk& use, Chunk& fill) -> bool {
+    auto step = [&](Chunk& use, Chunk& fill) -> bool {
         const rf_gemv_item next = item.next(n_chunks, stride, per_block);
-        if (next.g < n_groups) {
+        if (BULK) {
+            ring.take(use, item, n_groups, n_chunks, stride, per_block, w_qs, w_d, n, n_blocks,
+                      lane);
+        } else if (next.g < n_groups) {
             fill.load(w_qs, w_d, n, n_blocks, next.g, next.c, lane);
         }
         // This lane's stage sums of the chunk (zero for stages past the row).
@@ -493,13 +625,20 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         const float *residual, float *out
 #define RF_GEMV_CALL(format, no, swiglu, rcap)                                               \
     rf_gemv<format, no, swiglu, rcap>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, \
-                                      epilogue, residual, out, rf_rope_out{}, nullptr)
+                                      epilogue, residual, out, rf_rope_out{}, nullptr, 0)
+// The one-row kernels with their weights through rf_weight_ring (_bulk): `ring` chunk slots
+// a warp.
+#define RF_GEMV_BULK_PARAMS RF_GEMV_PARAMS, int ring
+#define RF_GEMV_BULK_CALL(format, no)                                                         \
+    rf_gemv<format, no, false, 1, false, false, true>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps, \
+                                                      release_early, epilogue, residual, out,  \
+                                                      rf_rope_out{}, nullptr, ring)
 // The one-row gate|up GEMV that also writes the down projection's q8 row at xq_out.
 #define RF_GEMV_SWIGLU_Q8_PARAMS RF_GEMV_PARAMS, uint8_t *xq_out
 #define RF_GEMV_SWIGLU_Q8_CALL(format, no)                                                      \
     rf_gemv<format, no, true, 1, false, true>(w_qs, w_d, n, k, x, n_rows, xq, gain, eps,        \
                                               release_early, epilogue, residual, out,           \
-                                              rf_rope_out{}, xq_out)
+                                              rf_rope_out{}, xq_out, 0)
 
 // The QKV GEMV with RoPE + KV-append in its epilogue (rf_rope.h): q to q_out, k and v
 // into the KV pool at each token's slot and position (step state).
@@ -517,7 +656,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         nullptr,                                                                                 \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
                     head_dim, rope_dims, n_ctx},                                                 \
-        nullptr)
+        nullptr, 0)
 
 // One activation row x[k] normalized (with a gain g) and quantized once, into the GEMV
 // layout at xq (rf_q8_rows_at(xq, 1, k / 32)), for a GEMV launched with xq to copy.
@@ -580,6 +719,16 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope(RF_GEMV_ROPE_PARA
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope(RF_GEMV_ROPE_PARAMS) {
     RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS);
+}
+// Q4_0, one activation row, the weights through rf_weight_ring.
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_bulk(RF_GEMV_BULK_PARAMS) {
+    RF_GEMV_BULK_CALL(rf_q4_0_format, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_bulk(RF_GEMV_BULK_PARAMS) {
+    RF_GEMV_BULK_CALL(rf_q4_0_format, 2);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_bulk(RF_GEMV_BULK_PARAMS) {
+    RF_GEMV_BULK_CALL(rf_q4_0_format, 4);
 }
 // Q8_0.
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1(RF_GEMV_PARAMS) {

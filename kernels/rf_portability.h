@@ -300,6 +300,77 @@ RF_DEVICE_INLINE void rf_pdl_wait() {}
 RF_DEVICE_INLINE void rf_pdl_launch_dependents() {}
 #endif
 
+// ---------------------------------------------------------------------------
+// Bulk copies from global into shared memory, each lane group (threadIdx.x / 32) its own
+// (NVIDIA sm_90 and newer: the copy engine moves the bytes, with no thread's loads in
+// flight; elsewhere the calling thread copies them at once). A copy completes on a
+// barrier in shared memory (8 bytes, 8-byte aligned) whose phases 0, 1, 0, ... each take
+// one arrival and the bytes announced with it:
+//   rf_bulk_init(bar)                one thread sets a barrier up; then
+//                                    rf_bulk_init_done() in that thread, and an
+//                                    rf_syncwarp() before any lane uses it
+//   rf_bulk_expect(bar, bytes)       the phase's arrival: it completes once `bytes` more
+//                                    have landed
+//   rf_bulk_copy(dst, src, bytes, bar)  `bytes` (a multiple of 16, both addresses 16-byte
+//                                    aligned) from global src to shared dst
+//   rf_bulk_wait(bar, parity)        every lane of the group: until phase `parity`
+//                                    completed, the bytes then visible to all of them
+//   rf_bulk_reads_done()             in a copying thread, after an rf_syncwarp(): the
+//                                    group's reads of shared memory come before its later
+//                                    copies into it
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+RF_DEVICE_INLINE void rf_bulk_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(rf_shared_address(bar))
+                 : "memory");
+}
+RF_DEVICE_INLINE void rf_bulk_init_done() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+RF_DEVICE_INLINE void rf_bulk_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     rf_shared_address(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+RF_DEVICE_INLINE void rf_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(rf_shared_address(dst)),
+        "l"(src), "r"(bytes), "r"(rf_shared_address(bar))
+        : "memory");
+}
+RF_DEVICE_INLINE void rf_bulk_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(rf_shared_address(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+RF_DEVICE_INLINE void rf_bulk_reads_done() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#else
+struct alignas(16) rf_bulk_piece {
+    uint32_t v[4];
+};
+RF_DEVICE_INLINE void rf_bulk_init(uint64_t*) {}
+RF_DEVICE_INLINE void rf_bulk_init_done() {}
+RF_DEVICE_INLINE void rf_bulk_expect(uint64_t*, uint32_t) {}
+RF_DEVICE_INLINE void rf_bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t*) {
+    for (uint32_t i = 0; i < bytes; i += 16) {
+        *(rf_bulk_piece*)((uint8_t*)dst + i) = *(const rf_bulk_piece*)((const uint8_t*)src + i);
+    }
+}
+RF_DEVICE_INLINE void rf_bulk_wait(uint64_t*, uint32_t) {
+    rf_syncwarp();
+}
+RF_DEVICE_INLINE void rf_bulk_reads_done() {}
+#endif
+
 // The prologue of a kernel that reads nothing before waiting: let the next kernel
 // launch, then wait for the previous one.
 RF_DEVICE_INLINE void rf_pdl_begin() {

@@ -5,11 +5,15 @@ Times the quantized GEMV kernels (kernels/gemv.hip) on the GEMV shapes of the
 synthetic models (8B: QKV, O + residual, gate|up + SwiGLU, down + residual, LM
 head; likewise for the 1B and SmolLM2-135M shapes) by graph replay of many
 launches that rotate over enough weight copies to overflow the L2 cache, as a
-decode step streams a new matrix at every launch. Each shape runs:
+decode step streams a new matrix at every launch, each launch overlapping its
+predecessor's tail as in a decode step (programmatic dependent launch). Each shape runs:
   - `auto`: the backend's own choice (GpuBackend.matmul.gemv), as decode uses it, on the
     row as decode hands it over: the O projection's (and the down projection's, where the
-    gate|up GEMV writes it so) already quantized by its writer, "(q8 row)";
-  - every kernel variant (output rows per warp) x grid cap (blocks per SM);
+    gate|up GEMV writes it so) already quantized by its writer, "(q8 row)"; where that is
+    a _bulk kernel (weights through rings in shared memory), again with each budget of
+    --bulk-shared (KiB a block; 0: the register kernel);
+  - unless --auto-only, every kernel variant (output rows per warp) x grid cap (blocks per
+    SM);
   - with --baseline SRC, the kernel `auto` chose from an older gemv.hip of the same
     kernel interface, with the same launch (an A/B of kernel sources).
 One-row shapes run each variant twice: with its blocks quantizing the activation
@@ -158,6 +162,8 @@ class Bench:
         return {name: module.function(name) for name in code.kernels}
 
     compiler: NvrtcCompiler
+    bulk_budgets: list[int]
+    sweep: bool  # every kernel variant x grid cap besides `auto`
 
     def handle(self, function: object, name: str, grid: int, shared: int, args: tuple,
                arg_types: tuple[str, ...]) -> LaunchHandle:  # fmt: skip
@@ -170,6 +176,7 @@ class Bench:
             shared_bytes=shared,
             stream=self.stream,
             arg_types=arg_types,
+            overlap=self.driver.supports_overlap,
         )
         handle.set_args(*args)
         return handle
@@ -287,10 +294,35 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
             gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
         )  # fmt: skip
 
-    auto(0)
-    chosen = list(backend.launcher.handles.values())[-1]
-    label = f"auto {chosen.name.removeprefix('rf_gemv_')}" + (" (q8 row)" if written_q8 else "")
-    record(label, auto, chosen.grid[0])
+    def chosen_launch() -> LaunchHandle:
+        """The GEMV launch `auto` makes (after any quantize launch)."""
+        backend.launcher.recording = []
+        try:
+            auto(0)
+            return backend.launcher.recording[-1]
+        finally:
+            backend.launcher.recording = None
+
+    matmul = backend.matmul
+
+    def record_auto(budget: int) -> LaunchHandle:
+        """Time `auto` with `budget` bytes of a block's weight rings (0: through registers)."""
+        default, matmul.gemv_bulk_shared = matmul.gemv_bulk_shared, budget
+        try:
+            launch = chosen_launch()
+            label = f"auto {launch.name.removeprefix('rf_gemv_')}"
+            if launch.name.endswith("_bulk"):
+                label += f" ring {budget >> 10}K"
+            record(label + (" (q8 row)" if written_q8 else ""), auto, launch.grid[0])
+            return launch
+        finally:
+            matmul.gemv_bulk_shared = default
+
+    chosen = record_auto(matmul.gemv_bulk_shared)
+    if chosen.name.endswith("_bulk"):  # and with each budget of --bulk-shared
+        for budget in bench.bulk_budgets:
+            if budget != matmul.gemv_bulk_shared:
+                record_auto(budget)
     # One activation row may be quantized once (by rf_quantize_q8_gemv, timed with the
     # GEMV) and copied by the GEMV's blocks ("pre"), or by each block itself.
     prologues = [("", 0)] + ([("pre ", xq_buf.ptr)] if rows == 1 else [])
@@ -302,7 +334,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         no = GEMV_MULTI_ROW_NO[suffix]
         variants = [(no, f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{no}{suffix}",
                      gemv_sums(no, suffix, GEMV_MAX_ROWS))]  # fmt: skip
-    for no, kernel, sums in variants:
+    for no, kernel, sums in variants if bench.sweep else ():
         shared = gemv_shared_bytes(shape.k, rows, info.warp_size, sums)
         blocks = math.ceil(math.ceil(shape.n / no) / warps)
         grids = sorted({min(blocks, c * sms) for c in (1, 2, 4, 8)} | {blocks})
@@ -327,7 +359,8 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
 
                 record(f"{label}n{no} cap{grid / sms:.1f}", issue, grid)
 
-    if bench.baseline is not None:  # the older source's kernel of the same name and launch
+    if bench.baseline is not None and chosen.name in bench.baseline:
+        # the older source's kernel of the same name and launch
         prequant = rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k
         auto_xq = xq_buf.ptr if written_q8 or prequant else 0
         handles = [
@@ -364,6 +397,12 @@ def main() -> int:
     parser.add_argument("--rows", default="1", help="activation rows, comma list (<= 8)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--baseline", type=Path, help="an older gemv.hip to time beside")
+    parser.add_argument(
+        "--bulk-shared", default="0",
+        help="comma list of shared-memory budgets (KiB) a block's weight rings are also timed "
+        "with, beside the backend's own (0: the weights through registers)",
+    )  # fmt: skip
+    parser.add_argument("--auto-only", action="store_true", help="time `auto` alone, no sweep")
     parser.add_argument("--out", type=Path, default=Path("bench-results/gemv.json"))
     args = parser.parse_args()
 
@@ -375,8 +414,12 @@ def main() -> int:
         rope_dims=128, rms_eps=EPS, tied_embeddings=False,
     )  # fmt: skip
     backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8, mode="deferred")
+    # Launches overlap their predecessors' tails, as in a decode step (where supported).
+    backend.launcher.overlap_step = driver.supports_overlap
     Bench.compiler = compiler
     bench = Bench(driver, backend, args.baseline)
+    bench.bulk_budgets = [int(kib) << 10 for kib in args.bulk_shared.split(",")]
+    bench.sweep = not args.auto_only
     print(f"device: {driver.info.name}, {driver.info.multiprocessors} SMs", flush=True)
     rng = np.random.default_rng(0)
     results = []

@@ -16,7 +16,7 @@ from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
-from rocforge_rt.backends.gpu.matmul import GEMV_EARLY_RELEASE_BLOCKS_PER_SM
+from rocforge_rt.backends.gpu.matmul import GEMV_BULK_SHARED, GEMV_EARLY_RELEASE_BLOCKS_PER_SM
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -241,6 +241,48 @@ def test_a_narrow_gate_up_leaves_the_quantization_to_the_down_projections_blocks
     gate_up = gpu.linear(weight(rng, 1536, 576, name="gate"), weight(rng, 1536, 576, name="up"))
     x = gpu.load_activation(rng.standard_normal((1, 576)).astype(np.float32))
     assert gpu.norm_gate_up_swiglu(x, gain, gate_up).q8 == 0
+
+
+@pytest.mark.parametrize("k", [1536, 4096, 14336])  # a part chunk; two; seven
+def test_gemv_weights_through_shared_memory_give_the_bits_of_weights_through_registers(
+    gpu, k, monkeypatch
+):
+    """The Q4_0 _bulk GEMV kernels (each warp's weight chunks copied through a ring in shared
+    memory) and the register ones give the same bits, with the norm and with the residual:
+    for a last row group partly past n (4225 outputs) and for warps taking several groups
+    (33000); with a ring of one slot a warp (each chunk fetched once the one before is read)
+    and with as many as fit."""
+    if not gpu.driver.supports_bulk_copy:
+        pytest.skip("no bulk copies on this device")
+    monkeypatch.setattr(gpu.matmul, "gemv_bulk_min_n", 0)  # every plain one-row GEMV
+    rng = np.random.default_rng(k)
+    gain = gpu.vector(WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32)))
+    matrices = {n: gpu.linear(weight(rng, n, k)) for n in (4225, 33000)}
+    x = rng.standard_normal(k).astype(np.float32)
+    residual = rng.standard_normal(33000).astype(np.float32)
+
+    def outputs() -> dict[tuple[str, int], np.ndarray]:
+        got = {}
+        for n, matrix in matrices.items():
+            act = gpu.load_activation(np.concatenate([x, residual[:n]])[None])
+            x_act, res_act = Activation(act.buf, 1, k), Activation(act.buf, 1, n, k * 4)
+            got["norm", n] = gpu.to_host(gpu.norm_matmul(x_act, gain, matrix))
+            got["residual", n] = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
+        return got
+
+    launched = {}
+    for budget in (0, 1, GEMV_BULK_SHARED):  # registers; a ring of one slot; the default
+        monkeypatch.setattr(gpu.matmul, "gemv_bulk_shared", budget)
+        gpu.launcher.recording = []
+        try:
+            launched[budget] = outputs()
+            names = {h.name for h in gpu.launcher.recording if h.name.startswith("rf_gemv")}
+        finally:
+            gpu.launcher.recording = None
+        assert names and all(name.endswith("_bulk") == (budget > 0) for name in names), names
+    for budget in (1, GEMV_BULK_SHARED):
+        for key, value in launched[0].items():
+            assert np.array_equal(launched[budget][key], value), (budget, key)
 
 
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (64, 32, 4)])

@@ -40,6 +40,9 @@ from rocforge_rt.backends.gpu.kernel_library import (
 from rocforge_rt.backends.gpu.launch import ARG_TYPES
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.matmul import (
+    GEMV_BULK_K_MULTIPLE,
+    GEMV_BULK_MIN_N,
+    GEMV_BULK_SHARED,
     GEMV_MULTI_ROW_NO,
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
@@ -115,6 +118,8 @@ def test_known_kernels_have_the_signatures_their_declarations_state() -> None:
     assert found["rf_gemv_q8_0_b8_n1_swiglu"] == GEMV_HEAD + plain_tail
     assert found["rf_gemv_q4_0_b1_n2_rope"] == GEMV_HEAD + rope_tail
     assert found["rf_gemv_q4_0_b8_n2_rope"] == GEMV_HEAD + rope_tail
+    # the _bulk kernels: their ring's slots a warp last
+    assert found["rf_gemv_q4_0_b1_n4_bulk"] == GEMV_HEAD + plain_tail + ("i32",)
     assert found["rf_hold"] == ("ptr", "u32", "u32")  # a volatile flag, target, naps
     assert found["rf_embed_q8_0"] == ("ptr", "i64", "i32", "i32", "ptr", "i32", "ptr")
     assert found["rf_attention_decode_d64"][8] == "f32"  # the score scale
@@ -218,6 +223,26 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         gpu.matmul.gemv_prequant_min_k = 0  # one row quantized once for every GEMV
         gpu.run_step(batches[2], lambda b: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
+
+
+def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() -> None:
+    """Where the device has bulk copies, the one-row Q4_0 GEMVs of at least GEMV_BULK_MIN_N
+    outputs with no epilogue of their own over k a multiple of GEMV_BULK_K_MULTIPLE (here
+    the LM head alone) launch their _bulk kernel, with a ring of as many slots a warp as
+    fit the device's shared memory a block (48 KiB here: one)."""
+    hp = hparams(n_embd=512, n_head=8, n_head_kv=2, n_vocab=GEMV_BULK_MIN_N)
+    assert hp.n_embd % GEMV_BULK_K_MULTIPLE == 0
+    with FakeDriver(signatures()) as driver:
+        driver.supports_bulk_copy = True
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
+                         mode="deferred", batch_invariant=True)  # fmt: skip
+        model = random_model(gpu, hp, np.random.default_rng(1))
+        gpu.run_step(StepBatch.decode([1], [5], [0]), lambda b: forward(gpu, model, b), True)
+        bulk = [h for h in gpu.launcher.handles.values() if h.name.endswith("_bulk")]
+    (head,) = bulk
+    assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[2])[0] == hp.n_vocab
+    assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[-1])[0] == 1  # ring
+    assert head.shared_bytes <= FAKE_INFO.max_shared_per_block < GEMV_BULK_SHARED
 
 
 def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
@@ -334,6 +359,7 @@ def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
     }
     wanted |= {f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
                f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
+    wanted |= {f"rf_gemv_q4_0_b1_n{no}_bulk" for no in GEMV_ROWS_PER_WARP[("q4_0", "")]}
     assert wanted <= declared, sorted(wanted - declared)
 
 
@@ -346,8 +372,9 @@ def test_a_gate_up_quantizes_for_the_down_projection_where_its_32_blocks_spread_
     n_ff: int, spread: bool
 ) -> None:
     info = dataclasses.replace(FAKE_INFO, multiprocessors=132)
-    matmul = Matmul(SimpleNamespace(info=info), SimpleNamespace(launch=None), None, None,
-                    n_ctx=1, max_tokens=1, vendor_gemm=None)  # fmt: skip
+    driver = SimpleNamespace(info=info, supports_bulk_copy=False)
+    matmul = Matmul(driver, SimpleNamespace(launch=None), None, None, n_ctx=1, max_tokens=1,
+                    vendor_gemm=None)  # fmt: skip
     assert matmul.swiglu_blocks_spread(n_ff) == spread
     matmul.gemv_prequant_min_k = n_ff + 1  # the down projection's blocks quantize it
     assert not matmul.swiglu_blocks_spread(n_ff)

@@ -207,8 +207,9 @@ class CudaDriver(Driver):
             host_alloc_flags=0,
             capture_mode=cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )
-        # Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer.
-        self.supports_overlap = int(self.info.arch[3:].rstrip("af")) >= 90
+        # Programmatic dependent launch and bulk copies need compute capability 9.0 (Hopper)
+        # or newer.
+        self.supports_overlap = self.supports_bulk_copy = int(self.info.arch[3:].rstrip("af")) >= 90
 
     def _device_info(self) -> DeviceInfo:
         cu, dev = self._cu, self._device

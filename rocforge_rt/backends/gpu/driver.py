@@ -317,6 +317,9 @@ class Driver(ABC):
     # Whether kernels may be launched to overlap the previous kernel's tail (programmatic
     # dependent launch; the kernels wait for it themselves, kernels/rf_portability.h).
     supports_overlap = False
+    # Whether kernels may copy from global into shared memory with the copy engine (bulk
+    # copies completing on a shared-memory barrier, kernels/rf_portability.h).
+    supports_bulk_copy = False
 
     def __init__(
         self,
