@@ -100,8 +100,8 @@ SWIGLU_Q8_IMBALANCE = 1.05
 # shared memory (kernels/gemv.hip, rf_weight_ring), the first ones before the wait, as many
 # slots as fit GEMV_BULK_SHARED bytes a block (or the device's limit), with the grid capped
 # at GEMV_BULK_BLOCKS_PER_SM blocks a multiprocessor (as many as hold such a ring at once).
-# Measured (H200, README "The LM head through bulk copies"): the 8B shape's LM head 84.1
-# -> 73.8 us (3.51 -> 4.00 TB/s), decode +0.2% to +0.9% (three runs). The layer GEMVs were
+# Measured (H200, README "The LM head through bulk copies"): the 8B shape's LM head 83.9
+# -> 74.3 us (3.52 -> 3.98 TB/s), decode +0.2% to +0.9% (three runs). The layer GEMVs were
 # faster through rings alone (Q|K|V 7.8 -> 7.1 us, O 5.4 -> 4.9, gate|up 22.4 -> 21.8;
 # down 15.1 -> 15.6) but decode lost about 4% for each kind that took them (-11% all), so
 # they keep registers; a Q8_0 LM head (the 1B shape's) lost alone, 70 -> 101 us.
@@ -178,13 +178,13 @@ def gemv_shared_bytes(k: int, rows: int, warp_size: int, sums: int) -> int:
     return rows * padded_blocks * (QK + 8) + (GEMV_MAX_ROWS * warps + fold) * 4
 
 
-def gemv_ring_slot_bytes(fmt: str, no: int, variant: str, warp_size: int) -> int:
-    """Shared memory one chunk slot a warp takes in a _bulk GEMV's weight rings: each weight
-    row's blocks of a chunk, quants and f16 scales, and the slot's 8-byte barrier."""
+def gemv_ring_slot_bytes(fmt: str, no: int, warp_size: int) -> int:
+    """Shared memory one chunk slot a warp takes in a _bulk GEMV's weight rings (NO rows a
+    warp): each row's blocks of a chunk, quants and f16 scales, and the slot's 8-byte
+    barrier (kernels/gemv.hip, rf_weight_ring)."""
     quant_bytes = QK // 2 if fmt == "q4_0" else QK
     blocks = warp_size * GEMV_STAGES_PER_LANE * Q8_STAGE
-    weight_rows = gemv_sums(no, variant, 1)
-    return GEMV_THREADS // warp_size * (weight_rows * blocks * (quant_bytes + 2) + 8)
+    return GEMV_THREADS // warp_size * (no * blocks * (quant_bytes + 2) + 8)
 
 
 def gemv_sums(no: int, variant: str, row_cap: int) -> int:
@@ -385,7 +385,7 @@ class Matmul:
             if bulk:
                 kernel += "_bulk"
                 shared = math.ceil(shared / 16) * 16
-                slot = gemv_ring_slot_bytes(matrix.fmt, no, variant, info.warp_size)
+                slot = gemv_ring_slot_bytes(matrix.fmt, no, info.warp_size)
                 stages = math.ceil(k // QK / Q8_STAGE)
                 chunks = math.ceil(stages / (info.warp_size * GEMV_STAGES_PER_LANE))
                 taken = chunks * math.ceil(math.ceil(n_out / no) / (grid[0] * warps))
