@@ -102,9 +102,11 @@ SWIGLU_Q8_IMBALANCE = 1.05
 # at GEMV_BULK_BLOCKS_PER_SM blocks a multiprocessor (as many as hold such a ring at once).
 # Measured (H200, README "The LM head through bulk copies"): the 8B shape's LM head 83.9
 # -> 74.3 us (3.52 -> 3.98 TB/s), decode +0.2% to +0.9% (three runs). The layer GEMVs were
-# faster through rings alone (Q|K|V 7.8 -> 7.1 us, O 5.4 -> 4.9, gate|up 22.4 -> 21.8;
-# down 15.1 -> 15.6) but decode lost about 4% for each kind that took them (-11% all), so
-# they keep registers; a Q8_0 LM head (the 1B shape's) lost alone, 70 -> 101 us.
+# faster through rings in a chain of their own kind (Q|K|V 7.8 -> 7.1 us, O 5.4 -> 4.9,
+# gate|up 22.4 -> 21.8; down 15.1 -> 15.6), but a ring kernel takes longer from launch to
+# its last chunk (O 6.2 -> 7.0 us without overlap) and decode lost about 4% for each kind
+# that took them (-11% all), so they keep registers; a Q8_0 LM head (the 1B shape's) lost
+# alone, 70 -> 101 us.
 GEMV_BULK_MIN_N = 32768
 GEMV_BULK_K_MULTIPLE = 256
 GEMV_BULK_SHARED = 100 << 10
