@@ -294,22 +294,13 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
             gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
         )  # fmt: skip
 
-    def chosen_launch() -> LaunchHandle:
-        """The GEMV launch `auto` makes (after any quantize launch)."""
-        backend.launcher.recording = []
-        try:
-            auto(0)
-            return backend.launcher.recording[-1]
-        finally:
-            backend.launcher.recording = None
-
     matmul = backend.matmul
 
     def record_auto(budget: int) -> LaunchHandle:
         """Time `auto` with `budget` bytes of a block's weight rings (0: through registers)."""
         default, matmul.gemv_bulk_shared = matmul.gemv_bulk_shared, budget
         try:
-            launch = chosen_launch()
+            launch = backend.launcher.record(lambda: auto(0))[-1]  # after any quantize launch
             label = f"auto {launch.name.removeprefix('rf_gemv_')}"
             if launch.name.endswith("_bulk"):
                 label += f" ring {budget >> 10}K"

@@ -261,24 +261,19 @@ def test_gemv_weights_through_shared_memory_give_the_bits_of_weights_through_reg
     x = rng.standard_normal(k).astype(np.float32)
     residual = rng.standard_normal(33000).astype(np.float32)
 
-    def outputs() -> dict[tuple[str, int], np.ndarray]:
-        got = {}
+    def outputs(got: dict[tuple[str, int], np.ndarray]) -> None:
         for n, matrix in matrices.items():
             act = gpu.load_activation(np.concatenate([x, residual[:n]])[None])
             x_act, res_act = Activation(act.buf, 1, k), Activation(act.buf, 1, n, k * 4)
             got["norm", n] = gpu.to_host(gpu.norm_matmul(x_act, gain, matrix))
             got["residual", n] = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
-        return got
 
     launched = {}
     for budget in (0, 1, GEMV_BULK_SHARED):  # registers; a ring of one slot; the default
         monkeypatch.setattr(gpu.matmul, "gemv_bulk_shared", budget)
-        gpu.launcher.recording = []
-        try:
-            launched[budget] = outputs()
-            names = {h.name for h in gpu.launcher.recording if h.name.startswith("rf_gemv")}
-        finally:
-            gpu.launcher.recording = None
+        got = launched[budget] = {}
+        handles = gpu.launcher.record(lambda got=got: outputs(got))
+        names = {h.name for h in handles if h.name.startswith("rf_gemv")}
         assert names and all(name.endswith("_bulk") == (budget > 0) for name in names), names
     for budget in (1, GEMV_BULK_SHARED):
         for key, value in launched[0].items():

@@ -343,13 +343,7 @@ class StepExecutor:
         self, batch: StepBatch, forward: Callable[[StepBatch], Activation]
     ) -> list[LaunchHandle]:
         """Issue the step, returning every handle launched (for capture)."""
-        launcher = self.launcher
-        launcher.recording = []
-        try:
-            self._issue(batch, forward)
-            return launcher.recording
-        finally:
-            launcher.recording = None
+        return self.launcher.record(lambda: self._issue(batch, forward))
 
     # --- runtime statistics --------------------------------------------------------------
     def runtime_stats(self) -> dict[str, object]:

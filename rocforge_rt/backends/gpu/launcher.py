@@ -40,7 +40,7 @@ class Launcher:
         # Set by the step executor for the step being issued:
         self.overlap_step = False  # launches overlap their predecessors (decode steps only)
         self.timer: KernelTimer | None = None  # the kernel timer while a timed step is issued
-        self.recording: list[LaunchHandle] | None = None  # handles launched under capture
+        self.recording: list[LaunchHandle] | None = None  # handles launched, see `record`
         self.sync_each = False  # per-kernel-sync mode: synchronize after every launch
 
     def new_handle(
@@ -91,6 +91,16 @@ class Launcher:
         self._issue(kernel, handle.launch)
         if self.recording is not None:
             self.recording.append(handle)
+
+    def record(self, issue: Callable[[], None]) -> list[LaunchHandle]:
+        """Run `issue`, returning every handle it launched, in order (a capture's, or which
+        kernels a call chose)."""
+        self.recording = []
+        try:
+            issue()
+            return self.recording
+        finally:
+            self.recording = None
 
     def call_library(self, name: str, call: Callable[[], None]) -> None:
         """Run a library routine that queues work on the stream (the vendor GEMM), timed and
