@@ -359,6 +359,9 @@ struct rf_gemv_item {
 template <typename Chunk>
 struct rf_weight_ring {
     static constexpr int SLOT = Chunk::NW * Chunk::PIECE;
+    const uint8_t* w_qs;
+    const uint16_t* w_d;
+    int n, n_blocks, n_groups, n_chunks, stride, per_block, lane;  // the warp's walk (rf_gemv)
     uint8_t* slots;
     uint64_t* bars;
     int n_slots;
@@ -367,9 +370,7 @@ struct rf_weight_ring {
     rf_gemv_item ahead;  // the next chunk to fetch
 
     // Chunk `it` into slot s.
-    RF_DEVICE_MEMBER void fetch(int s, rf_gemv_item it, const uint8_t* RF_RESTRICT w_qs,
-                                  const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
-                                  int lane) {
+    RF_DEVICE_MEMBER void fetch(int s, rf_gemv_item it) {
         constexpr int NO = Chunk::GROUP, BB = Chunk::format::block_bytes;
         const int first = it.c * Chunk::BLOCKS;
         const int blocks = min(Chunk::BLOCKS, n_blocks - first);
@@ -386,13 +387,15 @@ struct rf_weight_ring {
         }
     }
 
-    // Set up at `base` (after the fold buffers) with the warp's first chunk `first`, and
-    // fetch its first n_slots chunks.
-    RF_DEVICE_MEMBER void start(uint8_t* base, int slots_a_warp, rf_gemv_item first,
-                                  int n_groups, int n_chunks, int stride, int per_block,
-                                  const uint8_t* RF_RESTRICT w_qs,
-                                  const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
-                                  int warp, int lane) {
+    // Fetch the chunk `ahead` into slot s, then move `ahead` on.
+    RF_DEVICE_MEMBER void fetch_ahead(int s) {
+        fetch(s, ahead);
+        ahead = ahead.next(n_chunks, stride, per_block);
+    }
+
+    // Set the ring up at `base` (after the fold buffers) with `slots_a_warp` slots a warp,
+    // and fetch the warp's first n_slots chunks from its chunk `first` on.
+    RF_DEVICE_MEMBER void start(uint8_t* base, int slots_a_warp, rf_gemv_item first, int warp) {
         n_slots = slots_a_warp;
         slots = base + warp * n_slots * SLOT;
         bars = (uint64_t*)(base + RF_GEMV_WARPS * n_slots * SLOT) + warp * n_slots;
@@ -406,25 +409,20 @@ struct rf_weight_ring {
         taken = 0;
         ahead = first;
         for (int s = 0; s < n_slots && ahead.g < n_groups; ++s) {
-            fetch(s, ahead, w_qs, w_d, n, n_blocks, lane);
-            ahead = ahead.next(n_chunks, stride, per_block);
+            fetch_ahead(s);
         }
     }
 
     // The next chunk in order (`it`, of row group it.g) into w; its slot then fetches the
     // chunk n_slots on.
-    RF_DEVICE_MEMBER void take(Chunk& w, rf_gemv_item it, int n_groups, int n_chunks,
-                                 int stride, int per_block, const uint8_t* RF_RESTRICT w_qs,
-                                 const uint16_t* RF_RESTRICT w_d, int n, int n_blocks,
-                                 int lane) {
+    RF_DEVICE_MEMBER void take(Chunk& w, rf_gemv_item it) {
         const int s = taken % n_slots;
         rf_bulk_wait(&bars[s], (uint32_t)(taken / n_slots) & 1u);
         w.load_shared(slots + s * SLOT, n, n_blocks, it.g, it.c, lane);
         ++taken;
         if (ahead.g < n_groups) {
             rf_syncwarp();  // every lane has read the slot
-            fetch(s, ahead, w_qs, w_d, n, n_blocks, lane);
-            ahead = ahead.next(n_chunks, stride, per_block);
+            fetch_ahead(s);
         }
     }
 };
@@ -479,14 +477,14 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     rf_gemv_item item{(int)blockIdx.x * (per_block ? per_block : RF_GEMV_WARPS) + warp, 0};
 
     Chunk w_a, w_b;
-    rf_weight_ring<Chunk> ring;
+    rf_weight_ring<Chunk> ring{w_qs,     w_d,    n,         n_blocks, n_groups,
+                               n_chunks, stride, per_block, lane};
     if (item.g < n_groups) {  // in flight during the wait and prologue
         if (BULK) {
             const int fold_end = (int)((uint8_t*)(scratch + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS +
                                                   RF_GEMV_WARPS * NV * RF_GEMV_FOLD_STRIDE) -
                                        rf_shared);
-            ring.start(rf_shared + (fold_end + 15) / 16 * 16, ring_slots, item, n_groups,
-                       n_chunks, stride, per_block, w_qs, w_d, n, n_blocks, warp, lane);
+            ring.start(rf_shared + (fold_end + 15) / 16 * 16, ring_slots, item, warp);
         } else {
             w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);
         }
@@ -512,8 +510,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     auto step = [&](Chunk& use, Chunk& fill) -> bool {
         const rf_gemv_item next = item.next(n_chunks, stride, per_block);
         if (BULK) {
-            ring.take(use, item, n_groups, n_chunks, stride, per_block, w_qs, w_d, n, n_blocks,
-                      lane);
+            ring.take(use, item);
         } else if (next.g < n_groups) {
             fill.load(w_qs, w_d, n, n_blocks, next.g, next.c, lane);
         }
