@@ -19,13 +19,17 @@
 //           (w2 + w3)) + ((w4 + w5) + (w6 + w7)); then the quad's butterfly (^1, ^2);
 //     acc = p . v: per 8 dims, rf_mma_f16_m16n8k16 over the tile's 4 k-steps of 16
 //           positions in order, from 0.
-//   The parts of tiles 0, 1, ... fold in order into a state (M, Lsum, A) that starts at
-//   (-inf, 0, 0):
+//   The fold of a part (m, l, acc) into a state (M, Lsum, A):
 //     M' = fmaxf(M, m), alpha = rf_exp2(M - M'), beta = rf_exp2(m - M'),
-//     Lsum = fmaf(l, beta, Lsum * alpha), A[c] = fmaf(acc[c], beta, A[c] * alpha);
-//   the output is A[c] / Lsum. The rows of an mma are independent, so a row's result
-//   depends on its own q, the K/V rows and this decomposition only, not on which rows
-//   share its fragments. A tile wholly past a row's position gives that row no part: the
+//     Lsum = fmaf(l, beta, Lsum * alpha), A[c] = fmaf(acc[c], beta, A[c] * alpha).
+//   A context of up to RF_ATTN_ONE_SPAN_TILES tiles is one span; a longer one goes in
+//   spans of RF_ATTN_SPAN tiles (span s: tiles s RF_ATTN_SPAN, ...). The parts of a span's
+//   tiles fold in order into a state that starts at (-inf, 0, 0), the span's state. A
+//   context of one span ends with that state; a longer one folds its spans' states (M,
+//   Lsum, A as a part's m, l, acc) in order into a state that starts at (-inf, 0, 0). The
+//   output is A[c] / Lsum of the last state. The rows of an mma are independent, so a
+//   row's result depends on its own q, the K/V rows and this decomposition only, not on
+//   which rows share its fragments. A tile wholly past a row's position gives that row no part: the
 //   prefill kernel, whose rows end at different tiles, skips the row's fold there (its p
 //   is 0, so the values mma of the other rows adds nothing to it).
 //
@@ -45,10 +49,14 @@
 //   columns. A context of up to RF_ATTN_DECODE_TILES(D) tiles (their K and V fit the
 //   stage together: 2 at D = 64) is block 0's alone: it stages them all at once and folds
 //   their parts as it computes them, in order. A longer context's parts go to `partial`
-//   [n_tokens, n_head, max_tiles, d + 4] (acc[d], m, l, 2 unused) and the last block of
-//   the (token, KV head) to finish folds them all in order, each thread loading them
-//   RF_ATTN_FOLD_BATCH at a time, one batch on its way while the one before is folded
-//   (counters uint32 [n_tokens, n_kv], zero before the first launch, reset by that block).
+//   [n_tokens, n_head, max_tiles + max_spans, d + 4] (records acc[d], m, l, 2 unused:
+//   each tile's part, then each span's state; max_spans = ceil(max_tiles / RF_ATTN_SPAN)).
+//   The last block of a span to finish folds its parts; with more than one span it
+//   writes the span's state, and the last span to finish folds every span's state. A
+//   folding thread loads RF_ATTN_FOLD_BATCH records at a time, one batch on its way while
+//   the one before is folded (counters uint32 [n_tokens, n_kv, 1 + max_spans]: the spans
+//   done, then each span's tiles done; zero before the first launch, reset by the block
+//   that finds its count complete).
 //   The grid is sized for the whole context; blocks past the token's last tile exit. In a
 //   one-row step a block stages the cache rows before the token's position ahead of its
 //   wait for the previous kernel (they are earlier steps').
@@ -71,9 +79,10 @@
 #include "rf_constants.h"
 #include "rf_q8.h"
 
-// From rf_constants.h: RF_ATTN_TILE (key positions a tile), RF_ATTN_WARPS (warps a
-// block), RF_ATTN_PREFILL_ROWS (query rows a prefill block takes), RF_ATTN_MAX_GROUP
-// (query heads per KV head) and RF_ATTN_MAX_D (head dim).
+// From rf_constants.h: RF_ATTN_TILE (key positions a tile), RF_ATTN_SPAN and
+// RF_ATTN_ONE_SPAN_TILES (the fold's spans), RF_ATTN_WARPS (warps a block),
+// RF_ATTN_PREFILL_ROWS (query rows a prefill block takes), RF_ATTN_MAX_GROUP (query heads
+// per KV head) and RF_ATTN_MAX_D (head dim).
 static_assert(RF_ATTN_TILE == 64, "the fragment code is written for 64-position tiles");
 static_assert(RF_ATTN_PREFILL_ROWS == 16 * RF_ATTN_WARPS, "a warp takes 16 query rows");
 static_assert(RF_ATTN_WARPS == 4, "a decode warp takes 2 of a tile's 8 column blocks");
@@ -340,6 +349,79 @@ struct rf_attn_fold_batch {
     }
 };
 
+// The spans a context of n_tiles tiles folds in (see the top).
+RF_DEVICE_INLINE int rf_attn_spans(int n_tiles) {
+    return n_tiles > RF_ATTN_ONE_SPAN_TILES ? (n_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN : 1;
+}
+
+// Whether this block is the last of `arrivals` blocks to finish (every thread gets the
+// answer, through `flag` in shared memory): what each block wrote before the call is
+// visible to the last one after it, which also resets the counter for the next launch.
+RF_DEVICE_INLINE bool rf_attn_last_to_finish(uint32_t* counter, int arrivals, int& flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // the block's writes (ordered before by the barrier) are visible
+        flag = atomicAdd(counter, 1u) == (uint32_t)(arrivals - 1);
+        if (flag) {
+            *counter = 0u;
+            __threadfence();  // ... and so are every other block's, to this block
+        }
+    }
+    __syncthreads();
+    return flag != 0;
+}
+
+// Fold n records (tiles' parts or spans' states: acc or A[D], m or M, l or Lsum) from
+// `records` on, in order, into a state that starts at (-inf, 0, 0), for each of the
+// group's heads (head h's records from records + h head_stride): a thread per (head,
+// 4 dims), two batches (rf_attn_fold_batch) in turn, the next one loading while this one
+// is folded, after the block has asked for every record's lines in L1. Head h's state
+// goes to dst + h dst_stride: the output A / Lsum when `normalize`, else a record.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_fold_records(const float* records, int n, int64_t head_stride,
+                                           int group, float* dst, int64_t dst_stride,
+                                           bool normalize) {
+    constexpr int RECORD = D + 4;
+    for (int h = 0; h < group; ++h) {
+        const char* lines = (const char*)(records + h * head_stride);
+        for (int b = 128 * (int)threadIdx.x; b < n * RECORD * 4; b += 128 * RF_ATTN_THREADS) {
+            rf_prefetch_l1(lines + b);
+        }
+    }
+    for (int i = (int)threadIdx.x; i < group * (D / 4); i += RF_ATTN_THREADS) {
+        const int h = i / (D / 4), c = 4 * (i % (D / 4));
+        const float* record = records + h * head_stride;
+        float big_m = -RF_INFINITY, big_l = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        rf_attn_fold_batch<D> x, y;
+        x.load(record, c, n);
+        for (int j = 0; j < n; j += 2 * RF_ATTN_FOLD_BATCH) {
+            const int k = j + RF_ATTN_FOLD_BATCH;  // y's first record
+            if (k < n) {
+                y.load(record + k * RECORD, c, n - k);
+            }
+            x.fold(n - j, big_m, big_l, a);
+            if (k >= n) {
+                break;
+            }
+            const int next = k + RF_ATTN_FOLD_BATCH;
+            if (next < n) {
+                x.load(record + next * RECORD, c, n - next);
+            }
+            y.fold(n - k, big_m, big_l, a);
+        }
+        float* state = dst + h * dst_stride;
+        rf_attn_f32x4 v;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v.v[e] = normalize ? a[e] / big_l : a[e];
+        }
+        *(rf_attn_f32x4*)(state + c) = v;
+        if (!normalize && c == 0) {
+            *(rf_attn_f32x2*)(state + D) = rf_attn_f32x2{{big_m, big_l}};
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The decode block's K/V stage: two tiles of head dim 64, which holds one of the widest.
 #define RF_ATTN_DECODE_STAGE (4 * RF_ATTN_STAGE(64))
@@ -347,6 +429,7 @@ static_assert(RF_ATTN_DECODE_STAGE >= 2 * RF_ATTN_STAGE(RF_ATTN_MAX_D), "a tile 
 // Tiles (K and V) of head dim D the stage holds: a context of up to that many tiles is one
 // block per (token, KV head), which folds the parts itself.
 #define RF_ATTN_DECODE_TILES(D) (RF_ATTN_DECODE_STAGE / (2 * RF_ATTN_STAGE(D)))
+static_assert(RF_ATTN_DECODE_TILES(32) <= RF_ATTN_ONE_SPAN_TILES, "a block's context: one span");
 
 // What the decode block's warps exchange: the row maxima of their column blocks, and the
 // weights (fragments) and pair sums of them.
@@ -446,7 +529,9 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     // The state of this lane's rows and value columns (folded here when alone).
     float big_m[2] = {-RF_INFINITY, -RF_INFINITY}, big_l[2] = {0.0f, 0.0f};
     float a[PAIRS][2][4] = {};
-    float* parts = partial + head0 * max_tiles * RECORD;  // head h's tile j: (h max_tiles + j)
+    const int max_spans = (max_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN;
+    const int64_t head_stride = (int64_t)(max_tiles + max_spans) * RECORD;  // a head's records
+    float* parts = partial + head0 * head_stride;  // head h's tile j: h head_stride + j RECORD
     // Per tile, warp w takes the column blocks 2w, 2w + 1 (positions 16 w..16 w + 15) of s
     // and p, then the values' column blocks of pairs w, w + 4, ...: the steps of
     // rf_attn_scores and the fold, with the exact maxima and the pair sums u_w passed
@@ -526,7 +611,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 if (pos[r] >= 0) {
-                    float* record = parts + ((int64_t)(g + 8 * r) * max_tiles + j) * RECORD;
+                    float* record = parts + (g + 8 * r) * head_stride + j * RECORD;
                     record[D] = m[r];
                     record[D + 1] = l[r];
                 }
@@ -554,7 +639,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
                     *(rf_attn_f32x2*)(out + (head0 + h) * D + c) = v;
                 } else {
                     const rf_attn_f32x2 v = {{a[p][i][2 * r], a[p][i][2 * r + 1]}};
-                    *(rf_attn_f32x2*)(parts + ((int64_t)h * max_tiles + tile) * RECORD + c) = v;
+                    *(rf_attn_f32x2*)(parts + h * head_stride + tile * RECORD + c) = v;
                 }
             }
         }
@@ -565,60 +650,39 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         }
         return;
     }
-    // The last block of this (token, KV head) to finish folds every tile's part in order,
-    // a thread per (head, 4 dims), in batches (rf_attn_fold_batch), after the whole block
-    // has asked for every part's lines in L1.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();  // the block's parts (ordered before by the barrier) are visible
-        uint32_t* counter = counters + (int64_t)token * n_kv + kvh;
-        sh.last_block = atomicAdd(counter, 1u) == (uint32_t)(n_tiles - 1);
-        if (sh.last_block) {
-            *counter = 0u;
-            __threadfence();  // ... and so are every other block's, to this block
-        }
-    }
-    __syncthreads();
-    if (!sh.last_block) {
+    // Fold span by span (see the top): the span's last block to finish folds its parts;
+    // with more than one span, into the span's state, and the last span to finish folds
+    // every span's state.
+    const int n_spans = rf_attn_spans(n_tiles);
+    const int span = n_spans == 1 ? 0 : tile / RF_ATTN_SPAN;
+    const int span_first = span * RF_ATTN_SPAN;
+    const int span_tiles = n_spans == 1 ? n_tiles : min(n_tiles - span_first, RF_ATTN_SPAN);
+    uint32_t* done = counters + ((int64_t)token * n_kv + kvh) * (1 + max_spans);
+    if (!rf_attn_last_to_finish(done + 1 + span, span_tiles, sh.last_block)) {
         return;
     }
-    for (int h = 0; h < group; ++h) {  // every part's lines on their way to L1 first
-        const char* lines = (const char*)(parts + (int64_t)h * max_tiles * RECORD);
-        for (int b = 128 * (int)threadIdx.x; b < n_tiles * RECORD * 4; b += 128 * RF_ATTN_THREADS) {
-            rf_prefetch_l1(lines + b);
+    // One fold a pass: the span's parts, then (more than one span) the spans' states.
+    float* const outputs = out + head0 * D;
+    float* const spans = parts + max_tiles * RECORD;  // head h's span s: h head_stride + s
+    const bool one_span = n_spans == 1;
+    const float* records = parts + span_first * RECORD;
+    int n = span_tiles;
+    float* dst = one_span ? outputs : spans + span * RECORD;
+    for (bool normalize = one_span;; normalize = true) {
+        rf_attn_fold_records<D>(records, n, head_stride, group, dst,
+                                normalize ? D : head_stride, normalize);
+        if (normalize) {
+            break;
         }
-    }
-    for (int i = (int)threadIdx.x; i < group * (D / 4); i += RF_ATTN_THREADS) {
-        const int h = i / (D / 4), c = 4 * (i % (D / 4));
-        const float* record = parts + (int64_t)h * max_tiles * RECORD;
-        float big_m1 = -RF_INFINITY, big_l1 = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        // Batches x and y in turn: the next one loads while this one is folded.
-        rf_attn_fold_batch<D> x, y;
-        x.load(record, c, n_tiles);
-        for (int j = 0; j < n_tiles; j += 2 * RF_ATTN_FOLD_BATCH) {
-            const int k = j + RF_ATTN_FOLD_BATCH;  // y's first tile
-            if (k < n_tiles) {
-                y.load(record + k * RECORD, c, n_tiles - k);
-            }
-            x.fold(n_tiles - j, big_m1, big_l1, a);
-            if (k >= n_tiles) {
-                break;
-            }
-            const int next = k + RF_ATTN_FOLD_BATCH;
-            if (next < n_tiles) {
-                x.load(record + next * RECORD, c, n_tiles - next);
-            }
-            y.fold(n_tiles - k, big_m1, big_l1, a);
+        if (!rf_attn_last_to_finish(done, n_spans, sh.last_block)) {
+            return;
         }
-        rf_attn_f32x4 v;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            v.v[e] = a[e] / big_l1;
-        }
-        *(rf_attn_f32x4*)(out + (head0 + h) * D + c) = v;
+        records = spans;
+        n = n_spans;
+        dst = outputs;
     }
     if (xq != nullptr) {
-        rf_attn_quantize_out<D>(out + head0 * D, kvh * group, group, n_head * D, xq);
+        rf_attn_quantize_out<D>(outputs, kvh * group, group, n_head * D, xq);
     }
 }
 
@@ -705,12 +769,62 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
     const int n_tiles = (block_length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
     uint32_t pa[4][4];
     float m[2], l[2];
-    // Tile j's part of this warp's rows and its fold into their state (rows whose
+    // The state of the spans before the current one (see the top): its (M, Lsum) in
+    // shared memory (row 16 warp + g + 8 r, written by the quad's lane t = 0), its A in the
+    // row's `out` (this lane's columns) until the end. Rows of one span keep neither.
+    __shared__ rf_attn_f32x2 s_spans[RF_ATTN_PREFILL_ROWS];
+    const bool spanned[2] = {rf_attn_spans(pos[0] / RF_ATTN_TILE + 1) > 1,
+                             rf_attn_spans(pos[1] / RF_ATTN_TILE + 1) > 1};
+    // The span state (big_m, big_l, a) of each row with closes[r] folded into that state,
+    // which starts at (-inf, 0, 0) when `first`; the row's span state starts again. The
+    // whole warp calls it.
+    const auto close_spans = [&](const bool (&closes)[2], bool first) {
+        rf_attn_f32x2 ml[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (!closes[r]) {
+                continue;
+            }
+            ml[r] = first ? rf_attn_f32x2{{-RF_INFINITY, 0.0f}} : s_spans[16 * warp + g + 8 * r];
+            float alpha, beta;
+            rf_attn_fold_ml(ml[r].v[0], ml[r].v[1], big_m[r], big_l[r], alpha, beta);
+            float* out_row = out + heads[r] * D + 2 * t;
+#pragma unroll
+            for (int nb = 0; nb < D / 8; ++nb) {
+                rf_attn_f32x2 v = first ? rf_attn_f32x2{{0.0f, 0.0f}}
+                                        : *(const rf_attn_f32x2*)(out_row + 8 * nb);
+                v.v[0] = rf_attn_fold_a(v.v[0], a[nb][2 * r], alpha, beta);
+                v.v[1] = rf_attn_fold_a(v.v[1], a[nb][2 * r + 1], alpha, beta);
+                *(rf_attn_f32x2*)(out_row + 8 * nb) = v;
+                a[nb][2 * r] = a[nb][2 * r + 1] = 0.0f;
+            }
+            big_m[r] = -RF_INFINITY;
+            big_l[r] = 0.0f;
+        }
+        rf_syncwarp();  // every lane has read (M, Lsum) before it changes
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (closes[r] && t == 0) {
+                s_spans[16 * warp + g + 8 * r] = ml[r];
+            }
+        }
+        rf_syncwarp();
+    };
+    // Tile j0 starts a span: the rows of more than one span that reach it close theirs.
+    const auto start_span = [&](int j0) {
+        const bool reach[2] = {spanned[0] && pos[0] >= j0 * RF_ATTN_TILE,
+                               spanned[1] && pos[1] >= j0 * RF_ATTN_TILE};
+        close_spans(reach, j0 == RF_ATTN_SPAN);
+    };
+    // Tile j's part of this warp's rows and its fold into their span's state (rows whose
     // context ends before the tile skip the fold).
     const auto scores = [&](const uint16_t* k_tile, int j) {
         rf_attn_scores<D>(qa, k_tile, j * RF_ATTN_TILE, pos, pa, m, l);
     };
     const auto fold_values = [&](const uint16_t* v_tile, int j) {
+        if (j > 0 && j % RF_ATTN_SPAN == 0) {
+            start_span(j);
+        }
         float alpha[2] = {1.0f, 1.0f}, beta[2] = {0.0f, 0.0f};
         bool folds[2];
 #pragma unroll
@@ -803,18 +917,21 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
         }
     }
     rf_pdl_launch_dependents();
+    close_spans(spanned, false);  // a context of more than one span: its last one
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (pos[r] < 0) {
             continue;
         }
-        float* out_row = out + heads[r] * D;
+        float* out_row = out + heads[r] * D + 2 * t;
+        const float lsum = spanned[r] ? s_spans[16 * warp + g + 8 * r].v[1] : big_l[r];
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb) {
-            rf_attn_f32x2 v;
-            v.v[0] = a[nb][2 * r] / big_l[r];
-            v.v[1] = a[nb][2 * r + 1] / big_l[r];
-            *(rf_attn_f32x2*)(out_row + 8 * nb + 2 * t) = v;
+            rf_attn_f32x2 v = spanned[r] ? *(const rf_attn_f32x2*)(out_row + 8 * nb)
+                                       : rf_attn_f32x2{{a[nb][2 * r], a[nb][2 * r + 1]}};
+            v.v[0] /= lsum;
+            v.v[1] /= lsum;
+            *(rf_attn_f32x2*)(out_row + 8 * nb) = v;
         }
     }
 }

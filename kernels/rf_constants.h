@@ -18,8 +18,9 @@
 //   RF_EMBED_THREADS, RF_ROPE_THREADS                 block sizes
 //   RF_F16_THREADS, RF_DEQUANT_PART   the vendor GEMM's element-wise kernels: block size,
 //                          elements one expanding thread writes (gemm_f16.hip)
-//   RF_ATTN_TILE, RF_ATTN_WARPS, RF_ATTN_PREFILL_ROWS, RF_ATTN_MAX_GROUP, RF_ATTN_MAX_D
-//                          attention's key tile, block, work split and limits (attention.hip)
+//   RF_ATTN_TILE, RF_ATTN_SPAN, RF_ATTN_ONE_SPAN_TILES, RF_ATTN_WARPS,
+//   RF_ATTN_PREFILL_ROWS, RF_ATTN_MAX_GROUP, RF_ATTN_MAX_D   attention's key tile, the
+//                          fold's spans, block, work split and limits (attention.hip)
 //   RF_ARGMAX_THREADS, RF_SAMPLE_THREADS, RF_SAMPLE_SLICE, RF_SAMPLE_CANDIDATES,
 //   RF_SAMPLE_MAX_TOP, RF_SAMPLE_WEIGHT_SCALE, RF_SAMPLE_PENALTY_WINDOW   sampling
 //                          (sampling.hip)
@@ -36,7 +37,8 @@
     !defined(RF_GEMM_TILE_N) || !defined(RF_GEMM_TILE_M) || !defined(RF_EMBED_THREADS) ||  \
     !defined(RF_ROPE_THREADS) ||                                                            \
     !defined(RF_F16_THREADS) || !defined(RF_DEQUANT_PART) ||                                \
-    !defined(RF_ATTN_TILE) || !defined(RF_ATTN_WARPS) || !defined(RF_ATTN_PREFILL_ROWS) ||     \
+    !defined(RF_ATTN_TILE) || !defined(RF_ATTN_SPAN) || !defined(RF_ATTN_ONE_SPAN_TILES) ||  \
+    !defined(RF_ATTN_WARPS) || !defined(RF_ATTN_PREFILL_ROWS) ||                            \
     !defined(RF_ATTN_MAX_GROUP) || !defined(RF_ATTN_MAX_D) || !defined(RF_ARGMAX_THREADS) ||  \
     !defined(RF_SAMPLE_THREADS) || !defined(RF_SAMPLE_SLICE) ||                             \
     !defined(RF_SAMPLE_CANDIDATES) || !defined(RF_SAMPLE_MAX_TOP) ||                        \

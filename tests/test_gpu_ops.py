@@ -15,7 +15,13 @@ from gpu_checks import hparams, rel_error, weight
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
+from rocforge_rt.backends.gpu.kernel_constants import (
+    ATTN_ONE_SPAN_TILES,
+    ATTN_SPAN,
+    ATTN_TILE,
+    GEMV_MAX_ROWS,
+    MMV_MAX_ROWS,
+)
 from rocforge_rt.backends.gpu.matmul import GEMV_BULK_SHARED, GEMV_EARLY_RELEASE_BLOCKS_PER_SM
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
@@ -317,7 +323,12 @@ def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_
 # head dims 96 and 128, 2 for 64, 3 for 32), up to the longest cache below (20,000
 # positions: 313 key tiles).
 ATTN_SHAPES = [(64, 3), (64, 4), (64, 8), (128, 3), (128, 4), (128, 8), (32, 1), (96, 6)]
+# Contexts ending in a tile's first, last and middle positions, of one span and of several
+# (kernels/attention.hip); the prompt chunks reaching ONE_SPAN + 8 have rows of one span and of
+# three, and rows on both sides of a span's end.
+ONE_SPAN = ATTN_ONE_SPAN_TILES * ATTN_TILE  # positions of the longest context of one span
 ATTN_CONTEXTS = [1, 63, 64, 65, 128, 129, 192, 193, 1000, 8192, 20000]
+ATTN_CONTEXTS += [ONE_SPAN + 8, ONE_SPAN + ATTN_SPAN * ATTN_TILE + 8]
 ATTN_N_CTX, ATTN_CHUNK = 20032, 24  # a chunk past GEMV_MAX_ROWS takes the prefill kernel
 # The softmax weights enter the matrix units as fp16 (relative rounding <= 2^-11), q as two
 # fp16 parts hi + lo (about 22 bits). Measured on an H100 against the fp32 CPU reference,

@@ -38,6 +38,11 @@ ROPE_THREADS = 256  # kernels/rope_kv.hip
 
 # Attention (kernels/attention.hip).
 ATTN_TILE = 64  # key positions a tile (the arithmetic's unit, aligned at position 0)
+# A longer context's tile parts fold in spans, then the spans' states (attention.hip): the
+# decode kernel folds the spans in parallel. Measured on an H200 (README, "Decode at depth:
+# the fold in spans"): past 64 tiles the spans win, at 33 and 49 they lost.
+ATTN_SPAN = 16  # tiles a span
+ATTN_ONE_SPAN_TILES = 4 * ATTN_SPAN  # tiles of the longest context folded as one span
 ATTN_WARPS = 4  # 32-lane groups a block of either kernel has
 ATTN_PREFILL_ROWS = 16 * ATTN_WARPS  # query rows (token, head) a prefill block takes
 ATTN_MAX_GROUP = 8  # query heads per KV head
@@ -78,6 +83,8 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_EMBED_THREADS": EMBED_THREADS,
     "RF_ROPE_THREADS": ROPE_THREADS,
     "RF_ATTN_TILE": ATTN_TILE,
+    "RF_ATTN_SPAN": ATTN_SPAN,
+    "RF_ATTN_ONE_SPAN_TILES": ATTN_ONE_SPAN_TILES,
     "RF_ATTN_WARPS": ATTN_WARPS,
     "RF_ATTN_PREFILL_ROWS": ATTN_PREFILL_ROWS,
     "RF_ATTN_MAX_GROUP": ATTN_MAX_GROUP,

@@ -15,6 +15,7 @@ import numpy as np
 
 from rocforge_rt.backends.gpu.kernel_constants import (
     ARGMAX_PART_BYTES,
+    ATTN_SPAN,
     ATTN_TILE,
     GEMV_MAX_ROWS,
     MMV_MAX_ROWS,
@@ -156,16 +157,19 @@ class Workspace:
             self.w16 = self.zeros(max(layer_matrices) * f16)
             self.gate_up16 = self.zeros(max_tokens * 2 * hp.n_ff * f16)
             self.blas_scratch = self.zeros(VENDOR_WORKSPACE_BYTES)
-        # Decode attention's per-tile parts (acc[d], m, l, 2 unused), for the rows of one
-        # decode-kernel launch (a decode step's, one per session; a step with more such rows
-        # launches it in pieces of this many); counters start at zero and the kernel resets
-        # them.
+        # Decode attention's records (acc[d], m, l, 2 unused) per head: each tile's part,
+        # then each span's state; for the rows of one decode-kernel launch (a decode step's,
+        # one per session; a step with more such rows launches it in pieces of this many).
+        # Counters per (row, KV head): the spans done, then each span's tiles done; they
+        # start at zero and the kernel resets them.
         self.attn_tiles = math.ceil(n_ctx / ATTN_TILE)
+        attn_spans = math.ceil(self.attn_tiles / ATTN_SPAN)
         self.attn_decode_rows = min(max_tokens, max(n_slots, GEMV_MAX_ROWS))
         self.attn_partial = self.zeros(
-            self.attn_decode_rows * hp.n_head * self.attn_tiles * (hp.head_dim_v + 4) * f32
-        )
-        self.attn_counters = self.zeros(self.attn_decode_rows * hp.n_head_kv * 4)
+            self.attn_decode_rows * hp.n_head * (self.attn_tiles + attn_spans)
+            * (hp.head_dim_v + 4) * f32
+        )  # fmt: skip
+        self.attn_counters = self.zeros(self.attn_decode_rows * hp.n_head_kv * (1 + attn_spans) * 4)
         # Argmax slices per row, their partial results and counters (zero; the kernel resets).
         self.argmax_slices = math.ceil(hp.n_vocab / ARGMAX_SLICE)
         self.argmax_partial = self.zeros(rows * self.argmax_slices * ARGMAX_PART_BYTES)
