@@ -63,8 +63,9 @@
 //   Launch: grid (n_kv, n_tokens, max_tiles), block RF_ATTN_WARPS * 32.
 // rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
 //   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
-//   the group), token-major, 16 a warp, whose q fragments (hi and lo) and state stay in
-//   registers.
+//   the group), token-major, 16 a warp, whose q fragments (hi and lo) and span state stay
+//   in registers; a row of more than one span folds its span state at each span's first
+//   tile into the spans' state ((M, Lsum) in shared memory, A in the row's `out`).
 //   The block stages the tiles up to its last token's position once for all its warps,
 //   cp.async on NVIDIA: for D <= 64 the next tile loads while this one is used; for
 //   larger D (one buffer each fits 48 KiB) K of the next tile loads while the values of
