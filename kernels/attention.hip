@@ -662,7 +662,8 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     if (!rf_attn_last_to_finish(done + 1 + span, span_tiles, sh.last_block)) {
         return;
     }
-    // One fold a pass: the span's parts, then (more than one span) the spans' states.
+    // One fold a pass: the span's parts, then (more than one span) the spans' states. One
+    // call site: three took 129 registers at d = 64 (3 blocks a multiprocessor, not 4).
     float* const outputs = out + head0 * D;
     float* const spans = parts + max_tiles * RECORD;  // head h's span s: h head_stride + s
     const bool one_span = n_spans == 1;
@@ -811,20 +812,17 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
         }
         rf_syncwarp();
     };
-    // Tile j0 starts a span: the rows of more than one span that reach it close theirs.
-    const auto start_span = [&](int j0) {
-        const bool reach[2] = {spanned[0] && pos[0] >= j0 * RF_ATTN_TILE,
-                               spanned[1] && pos[1] >= j0 * RF_ATTN_TILE};
-        close_spans(reach, j0 == RF_ATTN_SPAN);
-    };
     // Tile j's part of this warp's rows and its fold into their span's state (rows whose
     // context ends before the tile skip the fold).
     const auto scores = [&](const uint16_t* k_tile, int j) {
         rf_attn_scores<D>(qa, k_tile, j * RF_ATTN_TILE, pos, pa, m, l);
     };
     const auto fold_values = [&](const uint16_t* v_tile, int j) {
+        // Tile j starts a span: the rows of more than one span that reach it close theirs.
         if (j > 0 && j % RF_ATTN_SPAN == 0) {
-            start_span(j);
+            const bool reach[2] = {spanned[0] && pos[0] >= j * RF_ATTN_TILE,
+                                   spanned[1] && pos[1] >= j * RF_ATTN_TILE};
+            close_spans(reach, j == RF_ATTN_SPAN);
         }
         float alpha[2] = {1.0f, 1.0f}, beta[2] = {0.0f, 0.0f};
         bool folds[2];
