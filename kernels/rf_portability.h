@@ -102,8 +102,6 @@ RF_DEVICE_INLINE void rf_syncwarp() {
 #define RF_HAS_MMA_F16 0
 #define RF_HAS_LDMATRIX 0
 #define RF_HAS_CP_ASYNC 0
-// An L1 prefetch hint (rf_prefetch_l1 below): none on AMD.
-RF_DEVICE_INLINE void rf_prefetch_l1(const void*) {}
 
 // 2^x (the attention softmax's exponential).
 RF_DEVICE_INLINE float rf_exp2(float x) {
@@ -264,10 +262,6 @@ RF_DEVICE_INLINE void rf_cp_async_commit() {
 template <int PENDING>
 RF_DEVICE_INLINE void rf_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-// Starts bringing the 128-byte line at p into this multiprocessor's L1 (no wait, no result).
-RF_DEVICE_INLINE void rf_prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
 #else
