@@ -767,9 +767,13 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
     uint32_t pa[4][4];
     float m[2], l[2];
     // The state of the spans before the current one (see the top): its (M, Lsum) in
-    // shared memory (row 16 warp + g + 8 r, written by the quad's lane t = 0), its A in the
-    // row's `out` (this lane's columns) until the end. Rows of one span keep neither.
+    // shared memory (spans_ml(r): row 16 warp + g + 8 r, written by the quad's lane t = 0),
+    // its A in the row's `out` (this lane's columns) until the end. Rows of one span keep
+    // neither.
     __shared__ rf_attn_f32x2 s_spans[RF_ATTN_PREFILL_ROWS];
+    const auto spans_ml = [&](int r) -> rf_attn_f32x2& {
+        return s_spans[16 * warp + g + 8 * r];
+    };
     const bool spanned[2] = {rf_attn_spans(pos[0] / RF_ATTN_TILE + 1) > 1,
                              rf_attn_spans(pos[1] / RF_ATTN_TILE + 1) > 1};
     // The span state (big_m, big_l, a) of each row with closes[r] folded into that state,
@@ -781,7 +785,7 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
         for (int r = 0; r < 2; ++r) {
             // Read for every row: loaded only for closing ones, ml took stack at head dims 64
             // and 128, and 38 / 50 more registers at 32 / 96.
-            ml[r] = first ? rf_attn_f32x2{{-RF_INFINITY, 0.0f}} : s_spans[16 * warp + g + 8 * r];
+            ml[r] = first ? rf_attn_f32x2{{-RF_INFINITY, 0.0f}} : spans_ml(r);
             if (!closes[r]) {
                 continue;
             }
@@ -804,7 +808,7 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             if (closes[r] && t == 0) {
-                s_spans[16 * warp + g + 8 * r] = ml[r];
+                spans_ml(r) = ml[r];
             }
         }
         rf_syncwarp();
@@ -920,7 +924,7 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
             continue;
         }
         float* out_row = out + heads[r] * D + 2 * t;
-        const float lsum = spanned[r] ? s_spans[16 * warp + g + 8 * r].v[1] : big_l[r];
+        const float lsum = spanned[r] ? spans_ml(r).v[1] : big_l[r];
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb) {
             rf_attn_f32x2 v = spanned[r] ? *(const rf_attn_f32x2*)(out_row + 8 * nb)

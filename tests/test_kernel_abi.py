@@ -47,6 +47,8 @@ from rocforge_rt.backends.gpu.matmul import (
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
     Matmul,
+    gemv_ring,
+    gemv_ring_slot_bytes,
     mmv_tiles,
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
@@ -243,6 +245,21 @@ def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() ->
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[2])[0] == hp.n_vocab
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[-1])[0] == 1  # ring
     assert head.shared_bytes <= FAKE_INFO.max_shared_per_block < GEMV_BULK_SHARED
+
+
+def test_a_bulk_gemv_ring_takes_the_slots_its_budget_fits_up_to_the_chunks_a_warp_takes() -> None:
+    """A _bulk GEMV's ring: past the fold buffers (rounded up to 16 bytes), as many chunk
+    slots a warp as fit the budget, no more than the chunks a warp takes, at least one."""
+    slot = gemv_ring_slot_bytes("q4_0", 4, 32)
+    budget = 100 << 10
+    # an LM head of 128,256 rows x 4,096 columns on 264 blocks: 32 chunks a warp
+    slots, shared = gemv_ring("q4_0", 4, 4096, 128256, 264, 32, 1000, budget)
+    assert slots == (budget - 1008) // slot < 32
+    assert shared == 1008 + slots * slot
+    # one row group a warp over a single chunk of columns: one slot, whatever the budget
+    assert gemv_ring("q4_0", 4, 256, 4 * 8, 1, 32, 0, budget) == (1, slot)
+    # a budget under one slot still gets one
+    assert gemv_ring("q4_0", 4, 4096, 128256, 264, 32, 0, slot - 1) == (1, slot)
 
 
 def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:

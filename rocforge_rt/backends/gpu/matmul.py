@@ -189,6 +189,24 @@ def gemv_ring_slot_bytes(fmt: str, no: int, warp_size: int) -> int:
     return GEMV_THREADS // warp_size * (no * blocks * (quant_bytes + 2) + 8)
 
 
+def gemv_ring(
+    fmt: str, no: int, k: int, n_out: int, grid: int, warp_size: int, shared: int, budget: int
+) -> tuple[int, int]:
+    """A _bulk GEMV's ring: chunk slots a warp, and the block's shared memory with them.
+    Past `shared` (the fold buffers, rounded up to 16 bytes) go as many slots as fit
+    `budget` bytes a block, at least one and no more than the chunks a warp takes (its row
+    groups of n_out over `grid` blocks, each ceil(stages / (warp_size x stages a lane))
+    chunks of k / QK blocks)."""
+    shared = math.ceil(shared / 16) * 16
+    slot = gemv_ring_slot_bytes(fmt, no, warp_size)
+    stages = math.ceil(k // QK / Q8_STAGE)
+    chunks = math.ceil(stages / (warp_size * GEMV_STAGES_PER_LANE))
+    warps = GEMV_THREADS // warp_size
+    taken = chunks * math.ceil(math.ceil(n_out / no) / (grid * warps))
+    slots = max(1, min(taken, (budget - shared) // slot))
+    return slots, shared + slots * slot
+
+
 def gemv_sums(no: int, variant: str, row_cap: int) -> int:
     """Sums a GEMV warp folds at once: its weight rows (2 * NO with SwiGLU) x the
     kernel's activation rows (1 for the b1 kernels, GEMV_MAX_ROWS for the b8 ones)."""
@@ -386,14 +404,11 @@ class Matmul:
             ring: tuple[int, ...] = ()
             if bulk:
                 kernel += "_bulk"
-                shared = math.ceil(shared / 16) * 16
-                slot = gemv_ring_slot_bytes(matrix.fmt, no, info.warp_size)
-                stages = math.ceil(k // QK / Q8_STAGE)
-                chunks = math.ceil(stages / (info.warp_size * GEMV_STAGES_PER_LANE))
-                taken = chunks * math.ceil(math.ceil(n_out / no) / (grid[0] * warps))
                 budget = min(self.gemv_bulk_shared, info.max_shared_per_block)
-                ring = (max(1, min(taken, (budget - shared) // slot)),)
-                shared += ring[0] * slot
+                slots, shared = gemv_ring(
+                    matrix.fmt, no, k, n_out, grid[0], info.warp_size, shared, budget
+                )
+                ring = (slots,)
             release_early = int(
                 grid[0] < self.gemv_early_release_blocks_per_sm * info.multiprocessors
             )
