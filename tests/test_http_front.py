@@ -482,15 +482,14 @@ def test_a_client_that_leaves_before_a_whole_reply_has_it_aborted(
     """A client that closes its connection while the daemon generates its whole (not
     streamed) reply has the request aborted."""
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS})
-    host_port = url.removeprefix("http://")
+    front = httpx.URL(url)
     request = (
-        f"POST /v1/completions HTTP/1.1\r\nhost: {host_port}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nhost: {front.netloc.decode()}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n{body}"
     )
-    host, port = host_port.rsplit(":", 1)
     with (
         connect(daemon.endpoint, timeout=5) as client,
-        socket.create_connection((host, int(port))) as conn,
+        socket.create_connection((front.host, front.port)) as conn,
     ):
         conn.sendall(request.encode())
         wait_for(lambda: client.health()["in_flight"] == 1)
