@@ -40,6 +40,7 @@
 // out      fp32 [n_tokens, n_head * d]
 // xq, ahead (decode kernel) in a one-row step: the output row quantized for the O
 //          projection (else nullptr), and 1 (else 0): stage the cache before the wait
+// wave     (decode kernel) the blocks the device runs at once (0: a block takes one tile)
 //
 // rf_attention_decode_d<D>: head dim D; a block per (KV head, token, tile) computes the part
 //   of each head of the group (the rows of one 16-row mma block; rows past the group idle).
@@ -48,14 +49,17 @@
 //   sums w_2w + w_2w+1 to the others through shared memory, then a share of the value
 //   columns. A context of up to RF_ATTN_DECODE_TILES(D) tiles (their K and V fit the
 //   stage together: 2 at D = 64) is block 0's alone: it stages them all at once and folds
-//   their parts as it computes them, in order. A longer context's parts go to `partial`
+//   their parts as it computes them, in order. A longer context takes a block a tile, or a
+//   block per two tiles (RF_ATTN_DECODE_PART_TILES(D): where the stage holds them) when
+//   a block a tile would need more than `wave` blocks: the parts are the same, the
+//   launch takes half the waves. Its parts go to `partial`
 //   [n_tokens, n_head, max_tiles + max_spans, d + 4] (records acc[d], m, l, 2 unused:
 //   each tile's part, then each span's state; max_spans = ceil(max_tiles / RF_ATTN_SPAN)).
 //   The last block of a span to finish folds its parts; with more than one span it
 //   writes the span's state, and the last span to finish folds every span's state. A
 //   folding thread loads RF_ATTN_FOLD_BATCH records at a time, one batch on its way while
 //   the one before is folded (counters uint32 [n_tokens, n_kv, 1 + max_spans]: the spans
-//   done, then each span's tiles done; zero before the first launch, reset by the block
+//   done, then each span's blocks done; zero before the first launch, reset by the block
 //   that finds its count complete).
 //   The grid is sized for the whole context; blocks past the token's last tile exit. In a
 //   one-row step a block stages the cache rows before the token's position ahead of its
@@ -426,6 +430,9 @@ static_assert(RF_ATTN_DECODE_STAGE >= 2 * RF_ATTN_STAGE(RF_ATTN_MAX_D), "a tile 
 // block per (token, KV head), which folds the parts itself.
 #define RF_ATTN_DECODE_TILES(D) (RF_ATTN_DECODE_STAGE / (2 * RF_ATTN_STAGE(D)))
 static_assert(RF_ATTN_DECODE_TILES(32) <= RF_ATTN_ONE_SPAN_TILES, "a block's context: one span");
+// Tiles a block of a longer context takes (parts it writes): two where the stage holds them.
+#define RF_ATTN_DECODE_PART_TILES(D) (RF_ATTN_DECODE_TILES(D) >= 2 ? 2 : 1)
+static_assert(RF_ATTN_SPAN % 2 == 0, "a block's tiles: one span's");
 
 // What the decode block's warps exchange: the row maxima of their column blocks, and the
 // weights (fragments) and pair sums of them.
@@ -465,7 +472,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
                                      int n_kv, float qscale, int max_tiles,
                                      float* RF_RESTRICT partial, uint32_t* RF_RESTRICT counters,
                                      float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq,
-                                     int ahead) {
+                                     int ahead, int wave) {
     constexpr int RECORD = D + 4;  // a part in `partial`: acc[D], m, l, 2 unused
     constexpr int PAIRS = (D / 16 + RF_ATTN_WARPS - 1) / RF_ATTN_WARPS;  // value pairs a warp
     const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
@@ -482,10 +489,16 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     const int length = positions[token] + 1;
     const int n_tiles = (length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
     const bool alone = n_tiles <= RF_ATTN_DECODE_TILES(D);  // block 0 takes every tile
-    if (alone ? tile > 0 : tile >= n_tiles) {
+    // Else a block takes one tile, or two (where the stage holds them) when a tile a block
+    // needs more blocks than the device runs at once.
+    const int per_block = wave > 0 && (int64_t)n_kv * gridDim.y * n_tiles > wave
+                              ? RF_ATTN_DECODE_PART_TILES(D)
+                              : 1;
+    const int first_tile = alone ? 0 : tile * per_block;
+    if (alone ? tile > 0 : first_tile >= n_tiles) {
         return;  // the whole block is past the context, or block 0 takes it
     }
-    const int first_tile = alone ? 0 : tile, end_tile = alone ? n_tiles : tile + 1;
+    const int end_tile = alone ? n_tiles : min(first_tile + per_block, n_tiles);
     const int64_t kv_stride = (int64_t)n_kv * D;
     const int64_t base = (int64_t)slots[token] * n_ctx * kv_stride + (int64_t)kvh * D;
     const int newest = one_row ? length - 1 : -1;  // the row staged after the wait
@@ -595,11 +608,21 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
             rf_attn_values<D, 2>(pa, v_tile, 2 * pair, acc);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
+                if (alone) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    a[p][i][e] = alone ? rf_attn_fold_a(a[p][i][e], acc[i][e], alpha[e / 2],
-                                                        beta[e / 2])
-                                       : acc[i][e];
+                    for (int e = 0; e < 4; ++e) {
+                        a[p][i][e] = rf_attn_fold_a(a[p][i][e], acc[i][e], alpha[e / 2],
+                                                    beta[e / 2]);
+                    }
+                    continue;
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (pos[r] >= 0) {
+                        const int c = 8 * (2 * pair + i) + 2 * t;
+                        const rf_attn_f32x2 v = {{acc[i][2 * r], acc[i][2 * r + 1]}};
+                        *(rf_attn_f32x2*)(parts + (g + 8 * r) * head_stride + j * RECORD + c) = v;
+                    }
                 }
             }
         }
@@ -614,33 +637,26 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
             }
         }
     }
-    // This lane's columns: the output when alone (divided by Lsum), else the tile's part.
+    if (alone) {  // this lane's columns of the output (A / Lsum)
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-        const int pair = warp + p * RF_ATTN_WARPS;
-        if (pair >= D / 16) {
-            break;
-        }
+        for (int p = 0; p < PAIRS; ++p) {
+            const int pair = warp + p * RF_ATTN_WARPS;
+            if (pair >= D / 16) {
+                break;
+            }
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < 2; ++i) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                if (pos[r] < 0) {
-                    continue;
-                }
-                const int c = 8 * (2 * pair + i) + 2 * t, h = g + 8 * r;
-                if (alone) {
-                    const rf_attn_f32x2 v = {{a[p][i][2 * r] / big_l[r],
-                                              a[p][i][2 * r + 1] / big_l[r]}};
-                    *(rf_attn_f32x2*)(out + (head0 + h) * D + c) = v;
-                } else {
-                    const rf_attn_f32x2 v = {{a[p][i][2 * r], a[p][i][2 * r + 1]}};
-                    *(rf_attn_f32x2*)(parts + h * head_stride + tile * RECORD + c) = v;
+                for (int r = 0; r < 2; ++r) {
+                    if (pos[r] >= 0) {
+                        const int c = 8 * (2 * pair + i) + 2 * t, h = g + 8 * r;
+                        const rf_attn_f32x2 v = {{a[p][i][2 * r] / big_l[r],
+                                                  a[p][i][2 * r + 1] / big_l[r]}};
+                        *(rf_attn_f32x2*)(out + (head0 + h) * D + c) = v;
+                    }
                 }
             }
         }
-    }
-    if (alone) {
         if (xq != nullptr) {
             rf_attn_quantize_out<D>(out + head0 * D, kvh * group, group, n_head * D, xq);
         }
@@ -650,11 +666,12 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     // with more than one span, into the span's state, and the last span to finish folds
     // every span's state.
     const int n_spans = rf_attn_spans(n_tiles);
-    const int span = n_spans == 1 ? 0 : tile / RF_ATTN_SPAN;
+    const int span = n_spans == 1 ? 0 : first_tile / RF_ATTN_SPAN;
     const int span_first = span * RF_ATTN_SPAN;
     const int span_tiles = n_spans == 1 ? n_tiles : min(n_tiles - span_first, RF_ATTN_SPAN);
     uint32_t* done = counters + ((int64_t)token * n_kv + kvh) * (1 + max_spans);
-    if (!rf_attn_last_to_finish(done + 1 + span, span_tiles, sh.last_block)) {
+    if (!rf_attn_last_to_finish(done + 1 + span, (span_tiles + per_block - 1) / per_block,
+                                sh.last_block)) {
         return;
     }
     // One fold a pass: the span's parts, then (more than one span) the spans' states. One
@@ -690,10 +707,10 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,         \
         const int32_t *RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, float qscale,   \
         int max_tiles, float *RF_RESTRICT partial, uint32_t *RF_RESTRICT counters,         \
-        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead
+        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead, int wave
 #define RF_ATTN_DECODE_ARGS                                                                \
     sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
-        counters, out, xq, ahead
+        counters, out, xq, ahead, wave
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;

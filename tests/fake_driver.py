@@ -51,6 +51,7 @@ class FakeDriver(Driver):
         "event_elapsed": "fakeEventElapsedTime",
         "module_load": "fakeModuleLoadData",
         "module_function": "fakeModuleGetFunction",
+        "occupancy": "fakeOccupancy",
         "begin_capture": "fakeStreamBeginCapture",
         "end_capture": "fakeStreamEndCapture",
         "graph_instantiate": "fakeGraphInstantiate",
@@ -134,6 +135,9 @@ class FakeDriver(Driver):
         if name.decode() not in self._kernels:
             return (FakeStatus.NOT_FOUND, None)
         return (0, name.decode())
+
+    def fakeOccupancy(self, function: str, threads: int, shared_bytes: int) -> tuple[int, int]:
+        return (0, 4)
 
     def fakeStreamBeginCapture(self, stream: int, mode: int) -> tuple[int]:
         self._capturing[stream] = []

@@ -395,14 +395,19 @@ def test_prefill_and_decode_attention_match_the_cpu_across_key_tiles(
 
 @pytest.mark.parametrize(("head_dim", "group"), ATTN_SHAPES)
 @pytest.mark.parametrize("context", ATTN_CONTEXTS)
+@pytest.mark.parametrize("wave", ["device", 1])
 def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kernel(
-    attention_setup, head_dim, group, context
+    attention_setup, monkeypatch, head_dim, group, context, wave
 ):
     """Each token of a chunk (the prefill kernel, rows of several tokens per fragment),
     decoded in steps of up to GEMV_MAX_ROWS tokens (the decode kernel, the context split
     across blocks), gives the same bits; so does its last token decoded alone (a one-row
-    step, which stages the cache before its own row)."""
+    step, which stages the cache before its own row, its blocks taking two tiles each
+    where the stage holds them when one a block would overflow `wave` blocks: the device's
+    wave, or 1: always)."""
     gpu, _ = attention_setup(head_dim, group)
+    if wave != "device":
+        monkeypatch.setattr(gpu.attention, "decode_wave", wave)
     q = np.random.default_rng(context + 1).standard_normal((ATTN_CHUNK, gpu.hparams.q_dim))
     q = q.astype(np.float32)
     chunk = chunk_reaching(context)

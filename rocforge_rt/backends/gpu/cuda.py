@@ -174,6 +174,7 @@ class CudaDriver(Driver):
         "module_load": "cuModuleLoadData",
         "module_unload": "cuModuleUnload",
         "module_function": "cuModuleGetFunction",
+        "occupancy": "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         "begin_capture": "cuStreamBeginCapture",
         "end_capture": "cuStreamEndCapture",
         "graph_instantiate": "cuGraphInstantiate",

@@ -74,6 +74,7 @@ PRIMITIVES = (
     "module_load",  # (code) -> module
     "module_unload",  # (module)
     "module_function",  # (module, name as bytes) -> function
+    "occupancy",  # (function, block threads, dynamic shared bytes) -> blocks a multiprocessor
     "begin_capture",  # (stream, capture mode)
     "end_capture",  # (stream) -> graph
     "graph_instantiate",  # (graph, 0) -> executable graph
@@ -509,6 +510,14 @@ class Driver(ABC):
         except BackendError as exc:
             raise BackendError(f"{exc}: kernel {name!r} is not in this module") from None
         return Function(self, handle, name)
+
+    def blocks_per_multiprocessor(
+        self, function: Function, threads: int, shared_bytes: int = 0
+    ) -> int:
+        """How many blocks of `threads` threads (and `shared_bytes` of dynamic shared memory)
+        of `function` one multiprocessor runs at once."""
+        self.check_thread()
+        return int(self._call("occupancy", function.handle, threads, shared_bytes))
 
     def set_max_dynamic_shared(self, function: Function, nbytes: int) -> None:
         self.check_thread()

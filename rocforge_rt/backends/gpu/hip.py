@@ -239,6 +239,7 @@ class HipDriver(Driver):
         "module_load": "hipModuleLoadData",
         "module_unload": "hipModuleUnload",
         "module_function": "hipModuleGetFunction",
+        "occupancy": "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
         "begin_capture": "hipStreamBeginCapture",
         "end_capture": "hipStreamEndCapture",
         "graph_instantiate": "hipGraphInstantiateWithFlags",
