@@ -79,6 +79,7 @@ class FakeDriver(Driver):
         self.log: list[tuple[str, str, bytes]] = []  # ('launch' | 'replay', kernel, arg bytes)
         self.prepared: list[tuple] = []  # _launcher calls
         self.shared_opt_ins: list[tuple[Any, int]] = []  # _allow_dynamic_shared calls
+        self.occupancy_queries: list[tuple[Any, int, int]] = []  # fakeOccupancy calls
         self.launch_status = 0  # what launches return; nonzero makes them fail
         self.clock_us = 0.0
         self.durations_us: dict[str, float] = {}  # device time of each kernel's launch
@@ -137,7 +138,9 @@ class FakeDriver(Driver):
         return (0, name.decode())
 
     def fakeOccupancy(self, function: str, threads: int, shared_bytes: int) -> tuple[int, int]:
-        return (0, 4)
+        """A multiprocessor of 2048 threads and 64 KiB of shared memory."""
+        self.occupancy_queries.append((function, threads, shared_bytes))
+        return (0, min(2048 // threads, (64 << 10) // max(1, shared_bytes)))
 
     def fakeStreamBeginCapture(self, stream: int, mode: int) -> tuple[int]:
         self._capturing[stream] = []

@@ -295,6 +295,19 @@ def test_a_changed_argument_invalidates_that_handle_only(driver: FakeDriver) -> 
     assert b.packed_bytes == struct.pack("<QifQ", 2, 2, 2.0, 2)
 
 
+def test_a_kernels_blocks_per_multiprocessor_come_from_the_vendors_occupancy_call(
+    driver: FakeDriver,
+) -> None:
+    """The driver asks the vendor's occupancy function for the kernel's handle, block size and
+    dynamic shared memory, and gives back its count (the attention's decode wave)."""
+    function = driver.load_module(b"m").function("k")
+    assert driver.blocks_per_multiprocessor(function, 128) == 16
+    assert driver.blocks_per_multiprocessor(function, 256, 16 << 10) == 4
+    assert driver.occupancy_queries == [("k", 128, 0), ("k", 256, 16 << 10)]
+    error = in_thread(lambda: driver.blocks_per_multiprocessor(function, 128))
+    assert isinstance(error, BackendError) and "executor thread" in str(error)
+
+
 # --- executor thread -----------------------------------------------------------------------------
 def test_a_second_thread_gets_the_executor_error(driver: FakeDriver) -> None:
     handle = make_handle(driver, driver.create_stream())
