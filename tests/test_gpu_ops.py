@@ -160,7 +160,8 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
 
 
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (96, 8, 8)])
-@pytest.mark.parametrize("context", [1, 129, 1000])  # one block alone (head dim 64), or folded
+# One block alone (head dim 64), or folded: in one span, or in spans (past 64 tiles).
+@pytest.mark.parametrize("context", [1, 129, 1000, 4200])
 def test_one_row_attention_hands_the_o_projection_its_output_quantized(
     head_dim, n_head, n_kv, context, monkeypatch
 ):
@@ -169,10 +170,11 @@ def test_one_row_attention_hands_the_o_projection_its_output_quantized(
     the bits of a GEMV whose blocks quantize the row themselves."""
     width = n_head * head_dim
     hp = hparams(n_embd=width, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
-    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=1024, max_tokens=4)
+    n_ctx = 4224
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=4)
     rng = np.random.default_rng(context + head_dim)
     for cache in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
-        gpu.driver.copy_htod(cache, rng.standard_normal((1024, n_kv, head_dim)).astype(np.float16))
+        gpu.driver.copy_htod(cache, rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16))
     batch = StepBatch.decode([1], [context - 1], [0])
     gpu.write_step_state(batch)
     q = rng.standard_normal((1, width)).astype(np.float32)
