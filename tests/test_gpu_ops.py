@@ -404,9 +404,9 @@ def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kerne
     """Each token of a chunk (the prefill kernel, rows of several tokens per fragment),
     decoded in steps of up to GEMV_MAX_ROWS tokens (the decode kernel, the context split
     across blocks), gives the same bits; so does its last token decoded alone (a one-row
-    step, which stages the cache before its own row, its blocks taking two tiles each
-    where the stage holds them when one a block would overflow `wave` blocks: the device's
-    wave, or 1: always)."""
+    step, which stages the cache before its own row). Either way the decode blocks take two
+    tiles each, where the stage holds them, when one a block would overflow `wave` blocks:
+    the device's wave, or 1 (always)."""
     gpu, _ = attention_setup(head_dim, group)
     if wave != "device":
         monkeypatch.setattr(gpu.attention, "decode_wave", wave)

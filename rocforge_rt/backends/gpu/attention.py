@@ -5,9 +5,9 @@ order) and read each K/V row once for a KV head's group of query heads, so a tok
 gets the same bits from either. A step's rows are split into runs (rows of one slot
 at consecutive positions): a run past GEMV_MAX_ROWS tokens (a prompt chunk) takes the
 prefill kernel (FlashAttention-2 style, K/V tiles shared by its tokens), the rows
-between such runs the decode kernel (a block per tile, or per two tiles in a one-row step
-that would not run in one wave, folded by the last block to finish; a context of a tile or
-two, by head dim, in one block), in pieces of at most the
+between such runs the decode kernel (a block per tile, or per two tiles in a launch that
+would not run in one wave, folded by the last block to finish; a context of a tile or two,
+by head dim, in one block), in pieces of at most the
 workspace's `attn_decode_rows`. Both have one kernel per head dim. Each launch reads
 its rows through pointers advanced to its first row, so a ragged step (several
 sequences' prompt chunks and decode rows) is one pass; a decode step is one launch. In a
@@ -106,11 +106,12 @@ class Attention:
         # A one-row step's output is also quantized by the decode kernel, in the layout the
         # O projection's GEMV copies (A/B lever).
         self.quantize_out = True
-        # The decode blocks the device runs at once: in a one-row step whose context needs
-        # more blocks of one tile each, a block takes two tiles (where its stage holds them)
-        # and the launch runs in one wave. Measured on an H200 (1B shape, one row): +4.1% at
-        # depth 8192 (1,032 blocks of one tile), -3.8% at 4096 (520, one wave already).
-        # 0: one tile a block always (A/B lever).
+        # The decode blocks the device runs at once: a token whose rows' blocks of one tile
+        # each would outnumber them gets blocks of two tiles (where the stage holds them),
+        # half the waves. Measured (1B shape): one row on an H200, +3.8% at depth 8192
+        # (1,032 one-tile blocks, two waves), while two tiles always lost 3.8% at 4096 (520,
+        # one wave already); batches on an H100, the attention kernel 8-18% faster at depth
+        # 512-4096 with 8-32 rows. 0: one tile a block always (A/B lever).
         decode = launcher.functions[f"rf_attention_decode_d{hparams.head_dim_k}"]
         self.decode_wave = driver.info.multiprocessors * driver.blocks_per_multiprocessor(
             decode, ATTN_WARPS * 32
@@ -175,6 +176,5 @@ class Attention:
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
              hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles,
-             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq, int(ahead),
-             self.decode_wave if rows == 1 else 0),
+             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq, int(ahead), self.decode_wave),
         )  # fmt: skip
