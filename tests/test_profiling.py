@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -204,6 +205,21 @@ def test_op_timer_reports_the_loop_around_each_step_and_its_host_time_outside_en
     timer.reset()
     timer.loop("decode", 1_000_000, 0)  # a reset came between its step and its loop: dropped
     assert timer.snapshot()["steps"] == {}
+
+
+def test_a_snapshot_between_a_step_and_its_iterations_end_still_has_the_iteration_hold_it():
+    """The I/O thread reads the figures while the engine thread runs: a slow last step whose
+    iteration is not on record yet still leaves the loop time above the step time."""
+    timer = OpTimer(object())
+    for _ in range(2):
+        with timer.step("decode", n_tokens=1, n_seqs=1):
+            pass
+        timer.loop("decode", 1_000_000, 0)
+    with timer.step("decode", n_tokens=1, n_seqs=1):
+        time.sleep(0.02)  # its iteration has not ended yet
+    decode = timer.snapshot()["steps"]["decode"]
+    assert decode["mean_ms"] > 6.0
+    assert decode["loop_ms"] >= decode["mean_ms"] + 0.99
 
 
 # --- trace export ---------------------------------------------------------------------------

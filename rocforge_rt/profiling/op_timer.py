@@ -60,6 +60,7 @@ class _StepTotals:
     loops: int = 0
     loop_ns: int = 0  # scheduler iterations that ran these steps, whole
     loop_engine_ns: int = 0  # of which inside Engine.step
+    loop_step_ns: int = 0  # of which inside their steps (the `step` blocks)
     durations_ns: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
 
 
@@ -73,6 +74,7 @@ class OpTimer:
         self._step_totals: dict[str, _StepTotals] = {}
         self._recent: Recent[StepRecord] = Recent(keep_steps)
         self._current: list[tuple[str, int, int]] | None = None
+        self._last_step_ns = 0  # the last step's duration (the engine thread's, as `loop`'s)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._ops, name)
@@ -109,6 +111,7 @@ class OpTimer:
         finally:
             end = time.perf_counter_ns()
             self._current = None
+            self._last_step_ns = end - start
             record = StepRecord(kind, start, end, n_tokens, n_seqs, tuple(calls))
             with self._lock:
                 for call in calls:
@@ -124,8 +127,9 @@ class OpTimer:
             self._recent.append(record)
 
     def loop(self, kind: str, loop_ns: int, engine_ns: int) -> None:
-        """One scheduler iteration that ran a step of `kind`: its whole time, and the time
-        spent inside Engine.step (dropped when a reset came between the step and this)."""
+        """One scheduler iteration that ran a step of `kind`, the last `step` block: its whole
+        time, and the time spent inside Engine.step (dropped when a reset came between the
+        step and this)."""
         with self._lock:
             totals = self._step_totals.get(kind)
             if totals is None:
@@ -133,6 +137,7 @@ class OpTimer:
             totals.loops += 1
             totals.loop_ns += loop_ns
             totals.loop_engine_ns += engine_ns
+            totals.loop_step_ns += self._last_step_ns
 
     def _add_op(self, name: str, _start: int, duration: int) -> None:
         totals = self._ops_totals.setdefault(name, _OpTotals())
@@ -163,7 +168,7 @@ class OpTimer:
                     v.tokens,
                     v.seqs,
                     sorted(v.durations_ns),
-                    (v.loops, v.loop_ns, v.loop_engine_ns),
+                    (v.loops, v.loop_ns, v.loop_engine_ns, v.loop_step_ns),
                 )
                 for k, v in self._step_totals.items()
             }
@@ -181,10 +186,11 @@ class OpTimer:
         ]
         step_table = {}
         for kind, (n, total, op_ns, op_calls, tokens, seqs, durations, loop) in steps.items():
-            loops, loop_ns, loop_engine_ns = loop
+            loops, loop_ns, loop_engine_ns, loop_step_ns = loop
+            mean_ns = total / n
             step_table[kind] = {
                 "steps": n,
-                "mean_ms": total / n / 1e6,
+                "mean_ms": mean_ns / 1e6,
                 "p50_ms_recent": durations[len(durations) // 2] / 1e6,
                 "ops_per_step": op_calls / n,
                 "op_host_us_per_step": op_ns / n / 1e3,
@@ -192,7 +198,10 @@ class OpTimer:
                 "tokens": tokens,
                 "mean_batch": seqs / n,
                 "host_us_per_token": total / tokens / 1e3 if tokens else 0.0,
-                "loop_ms": loop_ns / loops / 1e6 if loops else None,
+                # A step's mean time plus its iteration's beyond it, so that a snapshot taken
+                # between a step and its iteration's end (the I/O thread's) still has the
+                # iteration hold the step.
+                "loop_ms": (mean_ns + (loop_ns - loop_step_ns) / loops) / 1e6 if loops else None,
                 "loop_host_us_per_step": (
                     (loop_ns - loop_engine_ns) / loops / 1e3 if loops else None
                 ),
