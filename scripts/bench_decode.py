@@ -21,7 +21,6 @@ gemv_max_blocks_per_sm=2; two at once: quantize_swiglu=0,gemv_early_release_bloc
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
 import statistics
@@ -37,8 +36,10 @@ from rocforge_rt.engine.workloads import (
     LlamaBenchError,
     LlamaBenchRun,
     decode_tokens_per_s,
+    lever_settings,
     llama_bench,
     prompt_tokens_per_s,
+    set_levers,
 )
 from rocforge_rt.step.sampling import SamplingParams
 
@@ -93,14 +94,10 @@ class ModeBench:
         if kernels:
             self.label += f" [{kernels[0]}]"
         part, settings = lever
-        for attr, value in settings:
-            owner = getattr(self.engine.backend, part, None)
-            if not isinstance(getattr(owner, attr, None), int | float):
-                raise SystemExit(f"error: the {self.engine.backend.name} backend has no "
-                                 f"numeric {part.title()} attribute {attr!r}")  # fmt: skip
-            setattr(owner, attr, value)
-        if settings:
-            self.label += f" [{','.join(f'{attr}={value}' for attr, value in settings)}]"
+        try:
+            self.label += set_levers(self.engine.backend, part, settings)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
         self.rng = np.random.default_rng(0)
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
@@ -168,21 +165,6 @@ def kernels_variant(text: str) -> tuple[str, str]:
     if not sep or not name or not Path(directory).is_dir():
         raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR a folder, got {text!r}")
     return name, directory
-
-
-def lever_settings(text: str) -> tuple[tuple[str, float], ...]:
-    """ATTR=VALUE[,ATTR=VALUE...] of --matmul-lever or --attention-lever (each VALUE a number)."""
-    settings = []
-    for item in text.split(","):
-        attr, sep, value = item.partition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not sep or not attr.isidentifier() or math.isnan(number):
-            raise argparse.ArgumentTypeError(f"expected ATTR=NUMBER[,ATTR=NUMBER...], got {text!r}")
-        settings.append((attr, int(number) if number.is_integer() else number))
-    return tuple(settings)
 
 
 def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:

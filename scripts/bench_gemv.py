@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from gguf import GGMLQuantizationType as Q
 from rocforge_rt.backends.cpu import quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
+from rocforge_rt.backends.gpu.graph import replay_us_per_launch
 from rocforge_rt.backends.gpu.kernel_constants import (
     EPILOGUE_RESIDUAL,
     EPILOGUE_STORE,
@@ -184,26 +184,9 @@ class Bench:
     def time_launches(self, issue: Callable[[int], None], copies: int, reps: int) -> float:
         """Median µs per launch over `reps` replays of a graph of launches over every copy."""
         per_graph = copies * max(1, math.ceil(24 / copies))
-        self.driver.begin_capture(self.stream)
-        try:
-            for i in range(per_graph):
-                issue(i % copies)
-        finally:
-            graph = self.driver.end_capture(self.stream)
-        exe = self.driver.graph_instantiate(graph)
-        start, end = self.driver.create_event(), self.driver.create_event()
-        for _ in range(3):
-            self.driver.graph_launch(exe, self.stream)
-        times = []
-        for _ in range(reps):
-            self.driver.event_record(start, self.stream)
-            self.driver.graph_launch(exe, self.stream)
-            self.driver.event_record(end, self.stream)
-            self.driver.event_synchronize(end)
-            times.append(self.driver.event_elapsed_ms(start, end) * 1000 / per_graph)
-        self.driver.release(exe)
-        self.driver.release(graph)
-        return statistics.median(times)
+        return replay_us_per_launch(
+            self.driver, self.stream, lambda i: issue(i % copies), per_graph, reps
+        )
 
 
 def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.Generator) -> list:

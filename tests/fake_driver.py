@@ -154,6 +154,7 @@ class FakeDriver(Driver):
 
     def fakeGraphLaunch(self, exe: Any, stream: int) -> tuple[int]:
         self.log.extend(("replay", name, args) for name, args in exe)
+        self.clock_us += sum(self.durations_us.get(name, 0.0) for name, _ in exe)
         return (0,)
 
     # --- what differs per vendor -------------------------------------------------------------

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from fake_executables import LOGGED_ARGS, failing_tool, write_executable
 
+from rocforge_rt.engine.workloads import lever_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_LLAMA_BENCH = (
@@ -256,10 +258,7 @@ def test_decode_bench_refuses_an_attention_lever_the_backend_lacks(tiny_model):
 
 
 def test_one_lever_sets_several_attributes_of_one_engine():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
-    bench_decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_decode)
-    both = bench_decode.lever_settings("quantize_swiglu=0,gemv_max_blocks_per_sm=2.5")
+    both = lever_settings("quantize_swiglu=0,gemv_max_blocks_per_sm=2.5")
     assert both == (("quantize_swiglu", 0), ("gemv_max_blocks_per_sm", 2.5))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fake_driver import KERNELS, FakeDriver, FakeStatus
 
-from rocforge_rt.backends.gpu.graph import StepGraph
+from rocforge_rt.backends.gpu.graph import StepGraph, replay_us_per_launch
 from rocforge_rt.backends.gpu.launch import (
     ARG_CACHE_STATS,
     ArgCacheStats,
@@ -430,6 +430,25 @@ def test_replay_equals_eager(driver: FakeDriver) -> None:
     assert replayed(driver) == eager * 2
     assert (graph.captures, graph.recaptures, graph.replays) == (1, 0, 2)
     assert driver.counters.graph_replays == 2 and driver.counters.captures == 1
+
+
+def test_a_micro_benchmark_times_a_launch_as_a_share_of_its_graphs_replays(
+    driver: FakeDriver,
+) -> None:
+    stream = driver.create_stream()
+    driver.durations_us = {"k": 4.0, "copy": 2.0}  # device time of each launch
+    k, copy = make_handle(driver, stream), make_handle(driver, stream, "copy", "copy")
+    k.set_args(1, 2, 3.0, 4)
+    copy.set_args(1, 2, 3)
+
+    def issue(i: int) -> None:
+        (copy if i % 2 else k).launch()
+
+    owned = len(driver._owned)
+    assert replay_us_per_launch(driver, stream, issue, 4, reps=5) == pytest.approx(3.0)
+    assert [name for name, _ in replayed(driver)] == ["k", "copy"] * 2 * 8  # 3 warm, 5 timed
+    assert driver.counters.captures == 1 and driver.counters.graph_replays == 8
+    assert len(driver._owned) == owned  # its events, graph and instance are released
 
 
 def test_a_repacked_handle_is_recaptured_never_replayed_stale(driver: FakeDriver) -> None:

@@ -11,6 +11,7 @@ those ids.
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import time
@@ -197,3 +198,33 @@ def positive_ints(text: str) -> list[int]:
     if values[0] < 1:
         raise argparse.ArgumentTypeError(f"every value must be >= 1: {text!r}")
     return values
+
+
+def lever_settings(text: str) -> tuple[tuple[str, float], ...]:
+    """ATTR=VALUE[,ATTR=VALUE...] of a benchmark's --matmul-lever or --attention-lever, each
+    VALUE a number (an argparse type)."""
+    settings = []
+    for item in text.split(","):
+        attr, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or not attr.isidentifier() or math.isnan(number):
+            raise argparse.ArgumentTypeError(f"expected ATTR=NUMBER[,ATTR=NUMBER...], got {text!r}")
+        settings.append((attr, int(number) if number.is_integer() else number))
+    return tuple(settings)
+
+
+def set_levers(backend: Any, part: str, settings: Sequence[tuple[str, float]]) -> str:
+    """Set each numeric attribute of the backend's `part` (its matmul or attention) to its
+    value; returns the settings as a label suffix (" [a=1,b=2]", "" for none). ValueError
+    where that part lacks such an attribute."""
+    owner = getattr(backend, part, None)
+    for attr, value in settings:
+        if not isinstance(getattr(owner, attr, None), int | float):
+            raise ValueError(
+                f"the {backend.name} backend has no numeric {part.title()} attribute {attr!r}"
+            )
+        setattr(owner, attr, value)
+    return f" [{','.join(f'{attr}={value}' for attr, value in settings)}]" if settings else ""
