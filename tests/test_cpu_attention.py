@@ -2,11 +2,14 @@
 alone, beside other sessions' rows, or inside its prompt's chunk; and it is softmax
 attention over the positions up to its own."""
 
+import threading
+
 import numpy as np
 import pytest
 from gpu_checks import hparams
 
 from rocforge_rt.backends.cpu import CpuBackend
+from rocforge_rt.backends.cpu_kernels import PARALLEL_KERNELS
 from rocforge_rt.step.batch import StepBatch
 
 N_CTX = 96
@@ -62,3 +65,17 @@ def test_each_head_is_softmax_attention_over_the_positions_up_to_its_own(backend
             expected = weights @ values[:, h // group] / weights.sum()
             output = got[r].reshape(hp.n_head, hp.head_dim_v)[h]
             np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_waits_while_another_thread_runs_a_parallel_kernel(backend):
+    """Parallel kernels run one at a time in a process (cpu_kernels.PARALLEL_KERNELS)."""
+    done = threading.Event()
+    step = StepBatch.decode([0], [10], [0])
+    worker = threading.Thread(
+        target=lambda: (backend.attention(queries(backend, 1, 3), 0, step), done.set())
+    )
+    with PARALLEL_KERNELS:
+        worker.start()
+        assert not done.wait(0.3)
+    worker.join(timeout=60)
+    assert done.is_set()

@@ -1,6 +1,7 @@
 """The CPU backend's matmul is row-independent: a row's outputs are bit-identical alone or
 in any batch, so a session's tokens do not depend on who else is generating."""
 
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -17,6 +18,7 @@ from rocforge_rt.backends.cpu import (
     quantize_q8,
     weight_bytes,
 )
+from rocforge_rt.backends.cpu_kernels import PARALLEL_KERNELS
 from rocforge_rt.step.batch import StepBatch
 
 BATCHES = (2, 7, 64)
@@ -366,3 +368,17 @@ def test_importing_rocforge_rt_before_numpy_shortens_openblas_spinning_unless_to
         done = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True,
                               text=True, timeout=120)  # fmt: skip
         assert done.stdout.strip() == expected, done.stderr
+
+
+def test_the_matmul_waits_while_another_thread_runs_a_parallel_kernel():
+    """Parallel kernels run one at a time in a process (cpu_kernels.PARALLEL_KERNELS)."""
+    rng = np.random.default_rng(7)
+    matrix, _, _ = block_matrix(rng, 64, 64, nibbles=True)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (q8_matmul(x, matrix), done.set()))
+    with PARALLEL_KERNELS:
+        worker.start()
+        assert not done.wait(0.3)
+    worker.join(timeout=60)
+    assert done.is_set()

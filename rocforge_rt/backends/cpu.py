@@ -39,6 +39,7 @@ from threadpoolctl import threadpool_limits
 from rocforge_rt.backends.cpu_attention import attend
 from rocforge_rt.backends.cpu_kernels import (
     LANES,
+    PARALLEL_KERNELS,
     q8_tiled_matmul,
     rms_norm_rows,
     rope_rows,
@@ -293,7 +294,9 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     operations, in a fixed order, whatever the rows around it and the threads.
     """
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    q8_tiled_matmul(np.ascontiguousarray(x, dtype=np.float32), weight.words, weight.scales, out)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    with PARALLEL_KERNELS:
+        q8_tiled_matmul(x, weight.words, weight.scales, out)
     return out
 
 
@@ -314,7 +317,8 @@ def compile_kernels() -> None:
         rope_rows(rows, positions, table, table, np.empty(rows.shape, dtype=np.float32))
     head = np.ones((1, 1, Q8_BLOCK), dtype=np.float32)
     keys_t, values = np.zeros((1, Q8_BLOCK, 1), np.uint16), np.zeros((1, 1, Q8_BLOCK), np.uint16)
-    attend(head, keys_t, values, np.zeros(1, dtype=np.int64), np.float32(1), np.empty_like(head))
+    with PARALLEL_KERNELS:
+        attend(head, keys_t, values, np.zeros(1, np.int64), np.float32(1), np.empty_like(head))
 
 
 def q8_matmul_reference(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
@@ -561,7 +565,8 @@ class CpuBackend:
             keys = self.keys_t[layer][run.slot].view(np.uint16)  # [Hkv, D, n_ctx]
             values = self.v_cache[layer][run.slot].view(np.uint16)  # [n_ctx, Hkv, D]
             mixed = out[run.rows]  # a view of the rows where they are a slice, else a copy
-            attend(queries[run.rows], keys, values, run.positions, self.attention_scale, mixed)
+            with PARALLEL_KERNELS:
+                attend(queries[run.rows], keys, values, run.positions, self.attention_scale, mixed)
             if not isinstance(run.rows, slice):
                 out[run.rows] = mixed
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim_v)

@@ -44,6 +44,13 @@ The parallel loops run over tiles of output rows, and an output's value depends 
 on its own activation row and weight row: the result is the same whatever the rows beside
 it and whatever the thread count.
 
+Their parallel loops run one at a time in a process (`PARALLEL_KERNELS`, held by each
+caller of a parallel kernel): numba's threading layers differ in whether several threads
+may start parallel regions at once (workqueue aborts; the GNU OpenMP layer that pip's
+numba takes on Linux is documented thread safe, yet an engine thread crashed with SIGSEGV
+inside q8_tiled_matmul in CI, other daemons' engine threads running in the same test
+process). A daemon has one engine thread, so in service the lock is never contended.
+
 Compiled on first use and cached on disk (`cache=True`: in NUMBA_CACHE_DIR, which
 rocforge_rt/__init__.py points at the cache folder's numba/ unless the user set it).
 Where numba finds no writable place at all it refuses `cache=True` when the function is
@@ -53,6 +60,7 @@ on every start.
 
 import math
 import platform
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +72,7 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
 
 LANES = 64  # weight rows the matmul takes side by side (a tile: the vector lanes)
+PARALLEL_KERNELS = threading.Lock()  # held while a parallel kernel runs (module docstring)
 
 
 def compiled(**options: Any) -> Callable[..., Any]:
