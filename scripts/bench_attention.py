@@ -75,8 +75,13 @@ def run_case(args: argparse.Namespace, depth: int, rows: int, rng: np.random.Gen
         gpu.write_step_state(batch)
         queries = rng.standard_normal((rows, hp.q_dim)).astype(np.float32)
         q = gpu.load_activation(queries)
-        defaults = {attr: getattr(gpu.attention, attr) for lever in args.attention_lever
+        defaults = {attr: getattr(gpu.attention, attr, None) for lever in args.attention_lever
                     for attr, _ in lever}  # fmt: skip
+        for setting in args.attention_lever:  # each names a numeric attribute of the Attention
+            try:
+                set_levers(gpu, "attention", setting)
+            except ValueError as exc:
+                raise SystemExit(f"error: {exc}") from None
         settings = [()] + args.attention_lever
         times: dict[int, list[float]] = {i: [] for i in range(len(settings))}
         outputs = []

@@ -33,3 +33,13 @@ def test_attention_bench_times_each_lever_with_the_same_bits_and_the_cpu_answer(
         for setting in (device, always_two):
             assert len(setting["runs_us"]) == 2 and setting["us"] > 0
     assert "depth    200 rows   3" in result.stdout
+
+
+def test_attention_bench_refuses_a_lever_the_attention_lacks(gpu_driver, tmp_path):
+    script = str(ROOT / "scripts/bench_attention.py")
+    command = [sys.executable, script, "--shape", "tiny-k", "--depths", "64", "--rows", "1"]
+    command += ["--attention-lever", "no_such_lever=1", "--out", str(tmp_path / "a.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    assert "no numeric Attention attribute 'no_such_lever'" in result.stderr
+    assert not (tmp_path / "a.json").exists()
