@@ -94,8 +94,7 @@ def run_case(args: argparse.Namespace, depth: int, rows: int, rng: np.random.Gen
                 if round_ == 0:
                     outputs.append(gpu.to_host(out).copy())
                 times[i].append(replay_us_per_launch(
-                    gpu.driver, gpu.stream, lambda j: gpu.attention(q, j % copies, batch),
-                    copies * max(1, math.ceil(24 / copies)), args.reps,
+                    gpu.driver, gpu.stream, lambda j: gpu.attention(q, j, batch), copies, args.reps
                 ))  # fmt: skip
         error = cpu_error(hp, keys, values, queries, batch, outputs[0])
         device = gpu.driver.info.name

@@ -181,13 +181,6 @@ class Bench:
         handle.set_args(*args)
         return handle
 
-    def time_launches(self, issue: Callable[[int], None], copies: int, reps: int) -> float:
-        """Median µs per launch over `reps` replays of a graph of launches over every copy."""
-        per_graph = copies * max(1, math.ceil(24 / copies))
-        return replay_us_per_launch(
-            self.driver, self.stream, lambda i: issue(i % copies), per_graph, reps
-        )
-
 
 def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.Generator) -> list:
     driver, backend = bench.driver, bench.backend
@@ -245,7 +238,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
 
     def record(label: str, issue: Callable[[int], None], grid: int) -> None:
         err = check(lambda: issue(0))
-        us = bench.time_launches(issue, copies, reps)
+        us = replay_us_per_launch(bench.driver, bench.stream, issue, copies, reps)
         tbs = shape.weight_bytes / (us * 1e-6) / 1e12
         results.append({"shape": shape.name, "rows": rows, "variant": label, "grid": grid,
                         "us": us, "tb_s": tbs, "rel_err": err})  # fmt: skip

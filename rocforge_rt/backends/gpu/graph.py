@@ -22,12 +22,15 @@ executor thread; any other thread gets a `BackendError` from the driver check.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.errors import BackendError
+
+MIN_GRAPH_LAUNCHES = 24  # launches a micro-benchmark's graph holds at least
 
 
 class StepGraph:
@@ -121,15 +124,17 @@ class StepGraph:
 
 
 def replay_us_per_launch(
-    driver: Any, stream: Any, issue: Callable[[int], None], launches: int, reps: int
+    driver: Any, stream: Any, issue: Callable[[int], None], copies: int, reps: int
 ) -> float:
-    """A micro-benchmark's timing: `issue(i)` for i in range(launches) captured into one
-    graph on `stream`, replayed 3 times, then `reps` times between events; the median µs a
-    launch."""
+    """A micro-benchmark's timing: `issue(i % copies)` for at least MIN_GRAPH_LAUNCHES
+    launches, a whole number of rounds over the `copies` (buffers a launch reads, so that
+    enough of them leave L2 behind), captured into one graph on `stream`, replayed 3 times,
+    then `reps` times between events; the median µs a launch."""
+    launches = copies * max(1, math.ceil(MIN_GRAPH_LAUNCHES / copies))
     driver.begin_capture(stream)
     try:
         for i in range(launches):
-            issue(i)
+            issue(i % copies)
     finally:
         graph = driver.end_capture(stream)
     exe = driver.graph_instantiate(graph)
