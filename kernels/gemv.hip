@@ -97,7 +97,7 @@ RF_DEVICE_INLINE float rf_gemv_inv_rms(const float* scratch, int t, int k, float
 
 // Normalize (optional) and quantize x[n_rows][k] (rows contiguous) into shared
 // memory; ends with a barrier. One global read of x when it fits in registers
-// (one row, k <= 4 * RF_GEMV_X_REGS * RF_GEMV_THREADS), else two.
+// (one row, k <= 4 * RF_GEMV_X_REGS * RF_GEMV_THREADS), its gains loaded with it, else two.
 template <int RCAP>
 RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, int k,
                                        const float* RF_RESTRICT gain, float eps,
@@ -106,19 +106,16 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
     const int k4 = k / 4;
     const rf_f32x4* x4 = (const rf_f32x4*)x;
     if ((RCAP == 1 || n_rows == 1) && k4 <= RF_GEMV_X_REGS * RF_GEMV_THREADS) {
-        rf_f32x4 v[RF_GEMV_X_REGS];
+        constexpr rf_f32x4 zero{{0.0f, 0.0f, 0.0f, 0.0f}};
+        rf_f32x4 v[RF_GEMV_X_REGS], g[RF_GEMV_X_REGS];
         float ss = 0.0f;
 #pragma unroll
         for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
             const int i = p * RF_GEMV_THREADS + threadIdx.x;
+            v[p] = i < k4 ? x4[i] : zero;
+            g[p] = i < k4 && gain != nullptr ? ((const rf_f32x4*)gain)[i] : zero;
             if (i < k4) {
-                v[p] = x4[i];
                 ss += rf_sum_squares(v[p]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    v[p].v[e] = 0.0f;
-                }
             }
         }
         float inv_rms = 1.0f;
@@ -135,7 +132,8 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
             const int base = p * RF_GEMV_THREADS + warp * RF_WARP_SIZE;
             if (base < k4) {  // warp-uniform
                 const int i = base + lane;
-                rf_quantize4(v[p], i < k4, 0, i * 4, gain, inv_rms, rows);
+                const rf_f32x4 y = gain != nullptr ? rf_normalize4(v[p], inv_rms, g[p]) : v[p];
+                rf_quantize4(y, i < k4, 0, i * 4, nullptr, 1.0f, rows);
             }
         }
         __syncthreads();
@@ -659,22 +657,26 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
 // layout at xq (rf_q8_rows_at(xq, 1, k / 32)), for a GEMV launched with xq to copy.
 // Block b quantizes pieces [b * RF_GEMV_THREADS, (b + 1) * RF_GEMV_THREADS) of four
 // elements; with a gain, every block first takes the whole row's sum of squares in the
-// canonical order (rf_row_inv_rms), so the bits are those of the GEMV's own prologue.
+// canonical order (rf_row_inv_rms), so the bits are those of the GEMV's own prologue. A
+// thread loads its gains before the wait (weights) and its piece with the row's sum.
 // Launch: block RF_GEMV_THREADS, grid ceil(k / (4 * RF_GEMV_THREADS)).
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_quantize_q8_gemv(const float* RF_RESTRICT x, int k,
                                                            const float* RF_RESTRICT gain,
                                                            float eps, uint8_t* xq) {
     __shared__ float partial[RF_GEMV_WARPS];
+    const int k4 = k / 4;
+    const int i = blockIdx.x * RF_GEMV_THREADS + threadIdx.x;  // this thread's piece
+    const bool active = i < k4;
+    constexpr rf_f32x4 zero{{0.0f, 0.0f, 0.0f, 0.0f}};
+    const rf_f32x4 g = active && gain != nullptr ? ((const rf_f32x4*)gain)[i] : zero;
     rf_pdl_begin();  // the GEMV may launch and load its first weights meanwhile
     const rf_q8_rows rows = rf_q8_rows_at(xq, 1, k / RF_QK);
+    const rf_f32x4 v = active ? ((const rf_f32x4*)x)[i] : zero;
     const float inv_rms = gain != nullptr ? rf_row_inv_rms(x, k, eps, partial) : 1.0f;
-    const int k4 = k / 4;
-    const int first = blockIdx.x * RF_GEMV_THREADS + threadIdx.x / RF_WARP_SIZE * RF_WARP_SIZE;
-    if (first < k4) {  // warp-uniform; lanes past k4 sit in whole 8-lane groups (k % 32 == 0)
-        const int i = blockIdx.x * RF_GEMV_THREADS + threadIdx.x;
-        const bool active = i < k4;
-        const rf_f32x4 v = active ? ((const rf_f32x4*)x)[i] : rf_f32x4{{0.0f, 0.0f, 0.0f, 0.0f}};
-        rf_quantize4(v, active, 0, i * 4, gain, inv_rms, rows);
+    // warp-uniform; lanes past k4 sit in whole 8-lane groups (k % 32 == 0)
+    if (i - (int)threadIdx.x % RF_WARP_SIZE < k4) {
+        rf_quantize4(gain != nullptr ? rf_normalize4(v, inv_rms, g) : v, active, 0, i * 4,
+                     nullptr, 1.0f, rows);
     }
 }
 

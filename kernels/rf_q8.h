@@ -44,11 +44,21 @@ struct alignas(16) rf_q8_f32x4 {
     float v[4];
 };
 
+// Four elements normalized with their gains g.
+RF_DEVICE_INLINE rf_q8_f32x4 rf_normalize4(rf_q8_f32x4 v, float inv_rms, const rf_q8_f32x4& g) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v.v[e] = rf_normalize(v.v[e], inv_rms, g.v[e]);
+    }
+    return v;
+}
+
 // inv_rms of row xr (k floats, 16-byte aligned) for a block of RF_Q8_NORM_THREADS threads,
 // in the order described above; `partial` is shared memory of one float per warp. Every
 // thread of the block calls it and gets the same value.
 RF_DEVICE_INLINE float rf_row_inv_rms(const float* xr, int k, float eps, float* partial) {
     float ss = 0.0f;
+#pragma unroll 4  // the pieces' loads in flight together (the sum's order is the loop's)
     for (int i = threadIdx.x * 4; i < k; i += RF_Q8_NORM_THREADS * 4) {
         const rf_q8_f32x4 v = *(const rf_q8_f32x4*)(xr + i);
         ss += rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
@@ -143,11 +153,7 @@ RF_DEVICE_INLINE void rf_quantize4(rf_q8_f32x4 v, bool active, int t, int col,
                                    const float* RF_RESTRICT gain, float inv_rms,
                                    rf_q8_rows rows) {
     if (active && gain != nullptr) {
-        const rf_q8_f32x4 g = *(const rf_q8_f32x4*)(gain + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            v.v[e] = rf_normalize(v.v[e], inv_rms, g.v[e]);
-        }
+        v = rf_normalize4(v, inv_rms, *(const rf_q8_f32x4*)(gain + col));
     }
     float amax = 0.0f;
 #pragma unroll
