@@ -58,14 +58,15 @@ def test_gauges_tell_what_runs_and_what_the_kv_pool_holds(tiny_model: Path) -> N
 
 
 def test_backend_counters_are_exported_where_the_backend_has_them() -> None:
-    runtime = {"launches_per_step": 132.0, "graph_replays": 7, "arg_cache_hits": 900,
-               "arg_cache_misses": 12}  # fmt: skip
+    runtime = {"launches_per_step": 1.0, "kernels_per_step": 153.0, "graph_replays": 7,
+               "arg_cache_hits": 900, "arg_cache_misses": 12}  # fmt: skip
     metrics = DaemonMetrics(usage=dict, runtime=lambda: runtime, waiting=lambda: 3)
     metrics.observe_request(
         RequestRecord("generate", 5, 2, ttft_ms=12.0, itl_ms_mean=1.5, e2e_ms=14.0,
                       finish_reason=None), [0.0015])  # fmt: skip
     samples = parsed(metrics.exposition().decode())
-    assert samples[PREFIX + "launches_per_step"] == 132.0
+    assert samples[PREFIX + "launches_per_step"] == 1.0
+    assert samples[PREFIX + "kernels_per_step"] == 153.0
     assert samples[PREFIX + "graph_replays_total"] == 7
     assert samples[PREFIX + "arg_cache_hits_total"] == 900
     assert samples[PREFIX + "arg_cache_misses_total"] == 12

@@ -55,7 +55,7 @@ from rocforge_rt.errors import BackendError, KernelCompileError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.step.batch import StepBatch
-from rocforge_rt.step.forward import LayerWeights, ModelWeights, forward
+from rocforge_rt.step.forward import LayerWeights, ModelWeights, StepOutput, forward
 from rocforge_rt.step.sampling import ROW_PARAMS_DTYPE, RowSampling, Sampler, SamplingParams
 
 KERNELS = kernels_dir()
@@ -225,6 +225,37 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         gpu.matmul.gemv_prequant_min_k = 0  # one row quantized once for every GEMV
         gpu.run_step(batches[2], lambda b: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
+
+
+def one_decode_step_stats(mode: str) -> dict:
+    """Runtime stats of one decode step after a first (the graph's capture), and of the
+    step after it where it was issued ahead, over a fake device."""
+    hp = hparams(n_vocab=512)
+    with FakeDriver(signatures()) as driver:
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
+                         mode=mode, batch_invariant=True)  # fmt: skip
+        model = random_model(gpu, hp, np.random.default_rng(1))
+
+        def step(ahead: bool) -> StepOutput:
+            batch = StepBatch.decode([1], [5], [0])
+            return gpu.run_step(batch, lambda b: forward(gpu, model, b), False, ahead=ahead)
+
+        step(ahead=False)
+        gpu.reset_runtime_stats()
+        if step(ahead=True).ahead:
+            gpu.take_ahead(again=False)
+        return gpu.runtime_stats()
+
+
+def test_a_step_counts_the_kernels_it_ran_whether_launched_or_replayed() -> None:
+    """`kernels_per_step`: in deferred mode the launches of a decode step; in graph mode,
+    where a step is one replay of its graph, the same count, for a step issued ahead
+    (pipelined decode) too."""
+    deferred, graph = one_decode_step_stats("deferred"), one_decode_step_stats("graph")
+    assert deferred["steps"] == 1 and graph["steps"] == graph["ahead_taken"] + 1 == 2
+    assert deferred["kernels_per_step"] == deferred["launches_per_step"] >= 7  # 5 a layer
+    assert graph["kernels_per_step"] == deferred["kernels_per_step"]
+    assert graph["launches_per_step"] < graph["kernels_per_step"]
 
 
 def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() -> None:

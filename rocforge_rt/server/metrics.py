@@ -152,7 +152,14 @@ class _ScrapedMetrics(Collector):
         if runtime is None:  # the CPU backend: no launches
             return
         yield _gauge(
-            "launches_per_step", "Kernel launches per engine step.", runtime["launches_per_step"]
+            "launches_per_step",
+            "Launches per engine step (a replayed step graph is one).",
+            runtime["launches_per_step"],
+        )
+        yield _gauge(
+            "kernels_per_step",
+            "Kernels run per engine step (a replayed graph's count them all).",
+            runtime["kernels_per_step"],
         )
         for name, key, text in (
             ("graph_replays", "graph_replays", "Step graphs replayed."),

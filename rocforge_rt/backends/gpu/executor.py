@@ -60,6 +60,7 @@ class IssuedStep:
     readback: Readback
     top: int  # the most alternatives a row asked for
     want_logits: bool
+    kernels: int  # kernels it ran (a replayed graph's, or those launched)
 
 
 class StepExecutor:
@@ -101,6 +102,7 @@ class StepExecutor:
         self._ahead: IssuedStep | None = None  # a decode step issued ahead, not yet read
         self._readback = 0  # the readback set the next step issued uses
         self.steps = 0
+        self.kernels = 0  # kernels the steps read back ran
         self.host_ns = 0  # host time issuing steps, up to the final synchronization
         self.ahead_taken = 0  # steps issued ahead and read back
         self.ahead_dropped = 0  # steps issued ahead and dropped unread
@@ -185,19 +187,22 @@ class StepExecutor:
         replay_timed = False
         launcher = self.launcher
         launcher.overlap_step = self.overlap and decode_shape
+        launches_before = self.driver.counters.launches
         if gated:
             self._close_gate()
         try:
             self.write_step_state(batch)
             if replay:
                 replay_timed = self._replay(batch, forward, tracker)
+                kernels = self._graphs[graph_key(batch)].kernels
             else:
                 launcher.timer = self.kernel_timer if timed else None
                 try:
                     self._issue(batch, forward)
                 finally:
                     launcher.timer = None
-            step = self._queue_readback(batch, want_logits)
+                kernels = self.driver.counters.launches - launches_before
+            step = self._queue_readback(batch, want_logits, kernels)
         finally:
             launcher.overlap_step = False
             if gated:
@@ -243,12 +248,14 @@ class StepExecutor:
         if not step.batch.next_decode_fits(self.n_ctx):
             return
         batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
-        self._graphs[graph_key(batch)].replay()
-        self._ahead = self._queue_readback(batch, False)
+        graph = self._graphs[graph_key(batch)]
+        graph.replay()
+        self._ahead = self._queue_readback(batch, False, graph.kernels)
 
     def _read_back(self, step: IssuedStep, decode_shape: bool) -> StepOutput:
         """A step's output from its readback set (the step has run)."""
         self.steps += 1
+        self.kernels += step.kernels
         batch, readback, rows = step.batch, step.readback, len(step.batch.logit_rows)
         n = self.ws.max_logit_rows
         tokens = readback.tokens.view(np.int32, (n,))[:rows].copy()
@@ -304,9 +311,9 @@ class StepExecutor:
             self.kernel_timer.end_replay()
         return timed
 
-    def _queue_readback(self, batch: StepBatch, want_logits: bool) -> IssuedStep:
+    def _queue_readback(self, batch: StepBatch, want_logits: bool, kernels: int) -> IssuedStep:
         """Queue the copies of the sampled tokens (alternatives, logits) into the next
-        readback set's pinned memory, and its event after them."""
+        readback set's pinned memory, and its event after them (the step ran `kernels`)."""
         readback = self.ws.readbacks[self._readback]
         self._readback ^= 1
         rows = len(batch.logit_rows)
@@ -323,7 +330,7 @@ class StepExecutor:
             nbytes = rows * self.n_vocab * 4
             copy(ws.logits_host, ws.logits, stream, nbytes=nbytes)
         readback.done.record(stream)
-        return IssuedStep(batch, readback, top, want_logits)
+        return IssuedStep(batch, readback, top, want_logits, kernels)
 
     def _close_gate(self) -> None:
         """Queue a kernel that holds the stream until the gate flag is set (kernels/gate.hip)."""
@@ -347,7 +354,8 @@ class StepExecutor:
 
     # --- runtime statistics --------------------------------------------------------------
     def runtime_stats(self) -> dict[str, object]:
-        """Launches, syncs and graph replays per step, and the argument cache's counters."""
+        """Launches (a graph replay is one) and the kernels they ran per step, syncs, graph
+        replays, and the argument cache's counters."""
         counters = self.driver.counters.snapshot()
         steps = max(self.steps, 1)
         cache = ARG_CACHE_STATS.snapshot()
@@ -357,6 +365,7 @@ class StepExecutor:
             "lookahead": self.lookahead,
             "steps": self.steps,
             "launches_per_step": counters["launches"] / steps,
+            "kernels_per_step": self.kernels / steps,
             "host_us_per_step": self.host_ns / steps / 1000,
             "syncs_per_step": counters["syncs"] / steps,
             "graph_replay": self._mode == "graph",
@@ -401,6 +410,7 @@ class StepExecutor:
         for stats in self.launcher.kernel_stats.values():
             stats.reset()
         self.steps = 0
+        self.kernels = 0
         self.host_ns = 0
         self.ahead_taken = 0
         self.ahead_dropped = 0

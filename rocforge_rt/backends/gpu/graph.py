@@ -42,6 +42,7 @@ class StepGraph:
         self.captures = 0
         self.recaptures = 0
         self.replays = 0
+        self.kernels = 0  # launches the graph holds (its last capture's)
         self.last_recapture_reason: str | None = None
         self._record: Callable[[], Sequence[LaunchHandle]] | None = None
         self._handle_versions: list[tuple[LaunchHandle, int]] = []
@@ -102,6 +103,7 @@ class StepGraph:
             graph.destroy()  # the executable graph does not need it
         self._handle_versions = [(h, h.version) for h in dict.fromkeys(handles)]
         self._epoch = ARG_CACHE_STATS.epoch
+        self.kernels = len(handles)
         self.captures += 1
 
     def _check_recorded(self, handles: list[LaunchHandle], launched: int) -> None:
