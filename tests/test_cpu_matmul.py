@@ -13,13 +13,15 @@ from rocforge_rt.backends.cpu import (
     BlockMatrix,
     CpuBackend,
     dequantize,
+    held_bytes,
     q8_matmul,
     q8_matmul_reference,
     quantize_q8,
-    weight_bytes,
 )
 from rocforge_rt.backends.cpu_kernels import PARALLEL_KERNELS
+from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.forward import held_together
 
 BATCHES = (2, 7, 64)
 SHAPES = [(3072, 576, Q.Q4_0), (576, 1536, Q.Q4_0), (1024, 576, Q.Q8_0)]  # n_out, n_in, type
@@ -222,8 +224,22 @@ def test_quantized_weights_are_held_in_the_files_bytes(qtype, block_bytes):
     assert matrix.quants.dtype == (np.uint8 if qtype == Q.Q4_0 else np.int8)
     assert matrix.scales.dtype == np.uint16  # fp16 bits
     assert matrix.nbytes == 1536 * 576 // 32 * block_bytes == tensor.data.nbytes
-    assert weight_bytes(tensor) == matrix.nbytes
+    assert held_bytes((tensor,)) == matrix.nbytes
     assert "dense" not in vars(matrix)  # the cached float32 expansion was never built
+
+
+def test_a_mixed_stack_is_counted_as_the_backend_holds_it():
+    """The start-up memory check counts a stacked matrix (Q|K|V, gate|up) as `linear` holds
+    it: Q4_0 alone in 18-byte blocks; Q4_0 beside Q8_0 all in 34-byte (int8) blocks; any
+    other type in the stack makes all of it float32."""
+    rng = np.random.default_rng(8)
+    q, k = weight(rng, 64, 256), weight(rng, 32, 256, Q.Q8_0)
+    v = WeightTensor("v", Q.F32, (32, 256), rng.standard_normal((32, 256)).astype(np.float32))
+    backend = CpuBackend(hparams(), 1, 1)
+    for stack, block_bytes in (((q,), 18), ((q, k), 34), ((q, k, v), 4 * 32)):
+        held = backend.linear(*stack)
+        rows = sum(t.shape[0] for t in stack)
+        assert held_bytes(stack) == held.nbytes == rows * 256 // 32 * block_bytes, stack
 
 
 def test_the_start_up_memory_budget_counts_what_the_cpu_backend_holds(tiny_model):
@@ -246,7 +262,7 @@ def test_the_start_up_memory_budget_counts_what_the_cpu_backend_holds(tiny_model
                 walk(item)
 
     walk(engine.weights)
-    assert sum(held.values()) == weights_memory_bytes("cpu", engine.model.tensors.values())
+    assert sum(held.values()) == weights_memory_bytes("cpu", held_together(engine.model))
 
 
 RSS_SCRIPT = """
@@ -254,6 +270,7 @@ import json, sys
 from rocforge_rt.backends import weights_memory_bytes
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import load_model_file
+from rocforge_rt.step.forward import held_together
 import rocforge_rt.backends.cpu  # numba and llvmlite: loaded before the first reading
 
 def status(key):
@@ -276,7 +293,7 @@ print(json.dumps({
     "start": start, "before": before, "after": after, "peak": peak if reset else None,
     "kv": sum(a.nbytes for a in engine.backend.k_cache + engine.backend.v_cache),
     "tensors": sum(tensors), "largest": max(tensors),
-    "counted": weights_memory_bytes("cpu", model.tensors.values()),
+    "counted": weights_memory_bytes("cpu", held_together(model)),
 }))
 """
 

@@ -39,14 +39,15 @@ def resolve_backend_name(name: str) -> str:
     return "cpu"
 
 
-def weights_memory_bytes(name: str, tensors: Any) -> int:
-    """Bytes a resolved backend holds for these WeightTensors: the CPU backend's own layout
-    (`cpu.weight_bytes`), a GPU's the file's bytes."""
+def weights_memory_bytes(name: str, stacks: Any) -> int:
+    """Bytes a resolved backend holds for a model's weights, given as the tuples of tensors
+    it takes together (`step.forward.held_together`): the CPU backend's own layout
+    (`cpu.held_bytes`), a GPU's the file's bytes."""
     if name == "cpu":
-        from rocforge_rt.backends.cpu import weight_bytes
+        from rocforge_rt.backends.cpu import held_bytes
 
-        return sum(weight_bytes(t) for t in tensors)
-    return sum(t.nbytes for t in tensors)
+        return sum(held_bytes(stack) for stack in stacks)
+    return sum(t.nbytes for stack in stacks for t in stack)
 
 
 def device_memory_bytes(name: str) -> int:

@@ -26,7 +26,7 @@ the cores.
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import cached_property
 from typing import NamedTuple
@@ -199,13 +199,17 @@ def _as_int8(nibbles: np.ndarray, axis: int) -> np.ndarray:
     return np.concatenate([low, high], axis=axis) - np.int8(8)
 
 
-def weight_bytes(tensor: WeightTensor) -> int:
-    """Bytes the CPU backend holds for a tensor: Q4_0/Q8_0 as the file's blocks (18 or 34
-    bytes a block of 32), any other type as float32."""
-    n = int(np.prod(tensor.shape))
-    if is_block_quantized(tensor):
-        return n // Q8_BLOCK * _BLOCK_BYTES[tensor.ggml_type]
-    return n * 4
+def held_bytes(tensors: Sequence[WeightTensor]) -> int:
+    """Bytes the CPU backend holds for one matrix stacked from `tensors` (`linear`), or for
+    one tensor: blocks of 32 when every tensor is Q4_0/Q8_0 (18 bytes each when all are
+    Q4_0, else 34: Q4_0 beside Q8_0 is held as int8, `BlockMatrix.from_tensors`), else
+    float32 for all of them."""
+    elements = sum(int(np.prod(t.shape)) for t in tensors)
+    if not all(is_block_quantized(t) for t in tensors):
+        return elements * 4
+    q4_0 = GGMLQuantizationType.Q4_0
+    block_type = q4_0 if all(t.ggml_type == q4_0 for t in tensors) else GGMLQuantizationType.Q8_0
+    return elements // Q8_BLOCK * _BLOCK_BYTES[block_type]
 
 
 def drop_mapped_pages(tensors: Iterable[WeightTensor], whole_files: bool = False) -> None:

@@ -22,6 +22,7 @@ from rocforge_rt.engine.kv_cache import SlotAllocator, kv_bytes_per_token, kv_po
 from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.server.jobs import Limits
+from rocforge_rt.step.forward import held_together
 
 log = logging.getLogger("rocforge.server")
 
@@ -129,7 +130,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
     if limit is None:
         limit = device_memory_bytes(resolved)
     # What the backend allocates for them (the CPU: the quantized blocks as in the file).
-    weights = weights_memory_bytes(resolved, model.tensors.values())
+    weights = weights_memory_bytes(resolved, held_together(model))
     check_memory(
         kv_bytes=kv,
         weights_bytes=weights,

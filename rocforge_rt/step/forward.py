@@ -11,9 +11,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rocforge_rt.model.gguf_file import ModelFile
+from rocforge_rt.model.gguf_file import ModelFile, WeightTensor
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.sampling import SampledToken
+
+# The weights of a layer row-stacked into one matrix (upload_weights), by tensor suffix.
+QKV_SUFFIXES = ("attn_q", "attn_k", "attn_v")
+GATE_UP_SUFFIXES = ("ffn_gate", "ffn_up")
 
 # Per layer, in order: the launches a decode step makes (docs/architecture.md, launch budget).
 LAYER_OPS = (
@@ -123,12 +127,10 @@ def upload_weights(
         layers.append(
             LayerWeights(
                 attn_norm=uploader.vector(model.layer(i, "attn_norm")),
-                wqkv=uploader.linear(
-                    model.layer(i, "attn_q"), model.layer(i, "attn_k"), model.layer(i, "attn_v")
-                ),
+                wqkv=uploader.linear(*(model.layer(i, s) for s in QKV_SUFFIXES)),
                 wo=uploader.linear(model.layer(i, "attn_output")),
                 ffn_norm=uploader.vector(model.layer(i, "ffn_norm")),
-                wgate_up=uploader.linear(model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")),
+                wgate_up=uploader.linear(*(model.layer(i, s) for s in GATE_UP_SUFFIXES)),
                 wdown=uploader.linear(model.layer(i, "ffn_down")),
             )
         )
@@ -145,6 +147,18 @@ def upload_weights(
         output_norm=uploader.vector(model.tensor("output_norm.weight")),
         lm_head=lm_head,
     )
+
+
+def held_together(model: ModelFile) -> list[tuple[WeightTensor, ...]]:
+    """The model's tensors as `upload_weights` hands them to a backend: each layer's Q|K|V
+    and gate|up stacked into one matrix, every other tensor alone."""
+    stacks = [
+        tuple(model.layer(i, s) for s in suffixes)
+        for i in range(model.hparams.n_layer)
+        for suffixes in (QKV_SUFFIXES, GATE_UP_SUFFIXES)
+    ]
+    stacked = {t.name for stack in stacks for t in stack}
+    return stacks + [(t,) for name, t in model.tensors.items() if name not in stacked]
 
 
 def forward(ops: ForwardOps, weights: ModelWeights, batch: StepBatch) -> Any:
