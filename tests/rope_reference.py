@@ -24,10 +24,9 @@ F32_MAX_DIFF = 0.01  # tighter, for the same comparison
 # through fp16), that alone costs max |diff| up to 0.117 and correlation down to 0.99939
 # (measured over every case on the CPU backend), as far as llama.cpp's own two CPU attentions
 # part its logits on the Q4_0 file (`llamacpp_attention_spread`); ignoring the scaling costs
-# more than 1 and
-# 0.9 at 2,000 tokens. A one-token prompt, where attention only copies V, meets llama.cpp
-# on the Q4_0 file to float32 rounding (ONE_TOKEN_MAX_DIFF): the same int8 blocks with
-# fp16 scales, the same exact block dots.
+# a max |diff| past 1 and a correlation under 0.9 at 2,000 tokens. A one-token prompt, where
+# attention only copies V, meets llama.cpp on the Q4_0 file to float32 rounding
+# (ONE_TOKEN_MAX_DIFF): the same int8 blocks with fp16 scales, the same exact block dots.
 QUANT_MAX_DIFF, QUANT_CORR = 0.15, 0.999
 ONE_TOKEN_CASE = "factors-1"
 
