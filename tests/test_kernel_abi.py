@@ -46,6 +46,7 @@ from rocforge_rt.backends.gpu.matmul import (
     GEMV_MULTI_ROW_NO,
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
+    DeviceMatrix,
     Matmul,
     gemv_ring,
     gemv_ring_slot_bytes,
@@ -53,6 +54,7 @@ from rocforge_rt.backends.gpu.matmul import (
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
 from rocforge_rt.model.gguf_file import WeightTensor
+from rocforge_rt.model.synthetic import SHAPES
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import LayerWeights, ModelWeights, StepOutput, forward
@@ -245,6 +247,67 @@ def one_decode_step_stats(mode: str) -> dict:
         if step(ahead=True).ahead:
             gpu.take_ahead(again=False)
         return gpu.runtime_stats()
+
+
+def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
+    """Weights of shape `hp` (hp.n_layer layers) as zero blocks: what a step launches depends
+    on the shapes alone."""
+
+    def matrix(*rows: int, k: int = hp.n_embd, qtype=Q.Q4_0) -> DeviceMatrix:
+        block = 18 if qtype == Q.Q4_0 else 34
+        return gpu.linear(
+            *(
+                WeightTensor("w", qtype, (n, k), np.zeros((n, k // 32 * block), np.uint8))
+                for n in rows
+            )
+        )
+
+    def norm() -> object:
+        return gpu.vector(WeightTensor("g", Q.F32, (hp.n_embd,), np.ones(hp.n_embd, np.float32)))
+
+    layers = [
+        LayerWeights(
+            norm(),
+            matrix(hp.q_dim, hp.kv_dim_k, hp.kv_dim_v),
+            matrix(hp.n_embd, k=hp.q_dim),
+            norm(),
+            matrix(hp.n_ff, hp.n_ff),
+            matrix(hp.n_embd, k=hp.n_ff),
+        )
+        for _ in range(hp.n_layer)
+    ]
+    return ModelWeights(matrix(hp.n_vocab, qtype=Q.Q8_0), layers, norm(), matrix(hp.n_vocab))
+
+
+def kernels_of_a_decode_step(hp) -> float:
+    """Kernels one greedy decode step of one row runs, on a fake device of 132
+    multiprocessors (an H100's or H200's)."""
+    with FakeDriver(signatures()) as driver:
+        driver.info = dataclasses.replace(driver.info, multiprocessors=132, total_memory=8 << 30)
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
+                         mode="deferred", batch_invariant=True)  # fmt: skip
+        model = zero_model(gpu, hp)
+        batch = StepBatch.decode([1], [5], [0])
+        gpu.run_step(batch, lambda b: forward(gpu, model, b), False)
+        gpu.reset_runtime_stats()
+        gpu.run_step(batch, lambda b: forward(gpu, model, b), False)
+        return gpu.runtime_stats()["kernels_per_step"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernels"), [("smollm2-135m", 153), ("llama-1b", 116), ("llama-8b", 260)]
+)
+def test_a_decode_step_of_each_benchmarked_shape_runs_the_kernels_the_docs_state(
+    shape: str, kernels: int
+) -> None:
+    """One-row greedy decode on a 132-multiprocessor device: 153 kernels a step for the
+    SmolLM2-135M shape, 116 for Llama-1B's, 260 for Llama-8B's (docs/architecture.md),
+    from the counts of one layer and of two (the weights of all would not fit a test)."""
+    s = SHAPES[shape]
+    hp = hparams(n_embd=s.n_embd, n_ff=s.n_ff, n_head=s.n_head, n_head_kv=s.n_head_kv,
+                 head_dim=s.head_dim_k, n_vocab=512)  # fmt: skip
+    one, two = (kernels_of_a_decode_step(dataclasses.replace(hp, n_layer=n)) for n in (1, 2))
+    assert one + (s.n_layer - 1) * (two - one) == kernels
 
 
 def test_a_step_counts_the_kernels_it_ran_whether_launched_or_replayed() -> None:
