@@ -187,9 +187,9 @@ class StepExecutor:
         replay_timed = False
         launcher = self.launcher
         launcher.overlap_step = self.overlap and decode_shape
-        launches_before = self.driver.counters.launches
         if gated:
             self._close_gate()
+        launches_before = self.driver.counters.launches  # the step's own, past the gate
         try:
             self.write_step_state(batch)
             if replay:
