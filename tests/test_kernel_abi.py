@@ -15,7 +15,7 @@ import hashlib
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -229,38 +229,14 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
         return {kernel for _, kernel, _ in driver.log}
 
 
-def one_decode_step_stats(mode: str) -> dict:
-    """Runtime stats of one decode step after a first (the graph's capture), and of the
-    step after it where it was issued ahead, over a fake device."""
-    hp = hparams(n_vocab=512)
-    with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
-                         mode=mode, batch_invariant=True)  # fmt: skip
-        model = random_model(gpu, hp, np.random.default_rng(1))
+def model_weights(
+    gpu: GpuBackend, hp, tensor: Callable[[int, int, Q], WeightTensor]
+) -> ModelWeights:
+    """hp.n_layer layers of weights of shape `hp` in `gpu`: each matrix row-stacked from
+    `tensor(rows, k, qtype)` (Q4_0, the embedding Q8_0), unit norms."""
 
-        def step(ahead: bool) -> StepOutput:
-            batch = StepBatch.decode([1], [5], [0])
-            return gpu.run_step(batch, lambda b: forward(gpu, model, b), False, ahead=ahead)
-
-        step(ahead=False)
-        gpu.reset_runtime_stats()
-        if step(ahead=True).ahead:
-            gpu.take_ahead(again=False)
-        return gpu.runtime_stats()
-
-
-def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
-    """Weights of shape `hp` (hp.n_layer layers) as zero blocks: what a step launches depends
-    on the shapes alone."""
-
-    def matrix(*rows: int, k: int = hp.n_embd, qtype=Q.Q4_0) -> DeviceMatrix:
-        block = 18 if qtype == Q.Q4_0 else 34
-        return gpu.linear(
-            *(
-                WeightTensor("w", qtype, (n, k), np.zeros((n, k // 32 * block), np.uint8))
-                for n in rows
-            )
-        )
+    def matrix(*rows: int, k: int = hp.n_embd, qtype: Q = Q.Q4_0) -> DeviceMatrix:
+        return gpu.linear(*(tensor(n, k, qtype) for n in rows))
 
     def norm() -> object:
         return gpu.vector(WeightTensor("g", Q.F32, (hp.n_embd,), np.ones(hp.n_embd, np.float32)))
@@ -276,22 +252,45 @@ def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
         )
         for _ in range(hp.n_layer)
     ]
-    return ModelWeights(matrix(hp.n_vocab, qtype=Q.Q8_0), layers, norm(), matrix(hp.n_vocab))
+    table = matrix(hp.n_vocab, qtype=Q.Q8_0)
+    return ModelWeights(table, layers, norm(), matrix(hp.n_vocab))
 
 
-def kernels_of_a_decode_step(hp) -> float:
-    """Kernels one greedy decode step of one row runs, on a fake device of 132
-    multiprocessors (an H100's or H200's)."""
+def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
+    return model_weights(gpu, hp, lambda n, k, qtype: weight(rng, n, k, qtype))
+
+
+def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
+    """Zero blocks: what a step launches depends on the shapes alone."""
+    block_bytes = {Q.Q4_0: 18, Q.Q8_0: 34}
+    return model_weights(
+        gpu,
+        hp,
+        lambda n, k, qtype: WeightTensor(
+            "w", qtype, (n, k), np.zeros((n, k // 32 * block_bytes[qtype]), np.uint8)
+        ),
+    )
+
+
+def decode_step_stats(hp, mode: str = "deferred") -> dict:
+    """Runtime stats of one greedy decode step of one row after a first (a graph's capture),
+    and of the step after it where it was issued ahead, on a fake device of 132
+    multiprocessors (an H100's or H200's) with zero weights of shape `hp`."""
     with FakeDriver(signatures()) as driver:
         driver.info = dataclasses.replace(driver.info, multiprocessors=132, total_memory=8 << 30)
         gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
-                         mode="deferred", batch_invariant=True)  # fmt: skip
+                         mode=mode, batch_invariant=True)  # fmt: skip
         model = zero_model(gpu, hp)
-        batch = StepBatch.decode([1], [5], [0])
-        gpu.run_step(batch, lambda b: forward(gpu, model, b), False)
+
+        def step(ahead: bool) -> StepOutput:
+            batch = StepBatch.decode([1], [5], [0])
+            return gpu.run_step(batch, lambda b: forward(gpu, model, b), False, ahead=ahead)
+
+        step(ahead=False)
         gpu.reset_runtime_stats()
-        gpu.run_step(batch, lambda b: forward(gpu, model, b), False)
-        return gpu.runtime_stats()["kernels_per_step"]
+        if step(ahead=True).ahead:
+            gpu.take_ahead(again=False)
+        return gpu.runtime_stats()
 
 
 @pytest.mark.parametrize(
@@ -306,7 +305,9 @@ def test_a_decode_step_of_each_benchmarked_shape_runs_the_kernels_the_docs_state
     s = SHAPES[shape]
     hp = hparams(n_embd=s.n_embd, n_ff=s.n_ff, n_head=s.n_head, n_head_kv=s.n_head_kv,
                  head_dim=s.head_dim_k, n_vocab=512)  # fmt: skip
-    one, two = (kernels_of_a_decode_step(dataclasses.replace(hp, n_layer=n)) for n in (1, 2))
+    one, two = (
+        decode_step_stats(dataclasses.replace(hp, n_layer=n))["kernels_per_step"] for n in (1, 2)
+    )
     assert one + (s.n_layer - 1) * (two - one) == kernels
 
 
@@ -314,7 +315,8 @@ def test_a_step_counts_the_kernels_it_ran_whether_launched_or_replayed() -> None
     """`kernels_per_step`: in deferred mode the launches of a decode step; in graph mode,
     where a step is one replay of its graph, the same count, for a step issued ahead
     (pipelined decode) too."""
-    deferred, graph = one_decode_step_stats("deferred"), one_decode_step_stats("graph")
+    hp = hparams(n_vocab=512)
+    deferred, graph = decode_step_stats(hp, "deferred"), decode_step_stats(hp, "graph")
     assert deferred["steps"] == 1 and graph["steps"] == graph["ahead_taken"] + 1 == 2
     assert deferred["kernels_per_step"] == deferred["launches_per_step"] >= 7  # 5 a layer
     assert graph["kernels_per_step"] == deferred["kernels_per_step"]
@@ -354,22 +356,6 @@ def test_a_bulk_gemv_ring_takes_the_slots_its_budget_fits_up_to_the_chunks_a_war
     assert gemv_ring("q4_0", 4, 256, 4 * 8, 1, 32, 0, budget) == (1, slot)
     # a budget under one slot still gets one
     assert gemv_ring("q4_0", 4, 4096, 128256, 264, 32, 0, slot - 1) == (1, slot)
-
-
-def random_model(gpu: GpuBackend, hp, rng: np.random.Generator) -> ModelWeights:
-    def norm() -> object:
-        return gpu.vector(WeightTensor("g", Q.F32, (hp.n_embd,), np.ones(hp.n_embd, np.float32)))
-
-    layer = LayerWeights(
-        attn_norm=norm(),
-        wqkv=gpu.linear(*(weight(rng, n, hp.n_embd) for n in (hp.q_dim, hp.kv_dim_k, hp.kv_dim_v))),
-        wo=gpu.linear(weight(rng, hp.n_embd, hp.q_dim)),
-        ffn_norm=norm(),
-        wgate_up=gpu.linear(weight(rng, hp.n_ff, hp.n_embd), weight(rng, hp.n_ff, hp.n_embd)),
-        wdown=gpu.linear(weight(rng, hp.n_embd, hp.n_ff)),
-    )
-    table = gpu.embedding(weight(rng, hp.n_vocab, hp.n_embd, Q.Q8_0))
-    return ModelWeights(table, [layer], norm(), gpu.linear(weight(rng, hp.n_vocab, hp.n_embd)))
 
 
 CHUNK = MMV_MAX_ROWS + 6  # a prompt chunk past the MMV's rows: the GEMM path
