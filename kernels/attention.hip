@@ -41,6 +41,7 @@
 // xq, ahead (decode kernel) in a one-row step: the output row quantized for the O
 //          projection (else nullptr), and 1 (else 0): stage the cache before the wait
 // wave     (decode kernel) the blocks the device runs at once (0: a block takes one tile)
+// fold     (decode kernel) 1: its last blocks fold the parts; 0: rf_attention_fold_d<D> does
 //
 // rf_attention_decode_d<D>: head dim D; a block per (KV head, token, tile) computes the part
 //   of each head of the group (the rows of one 16-row mma block; rows past the group idle).
@@ -60,11 +61,21 @@
 //   folding thread loads RF_ATTN_FOLD_BATCH records at a time, one batch on its way while
 //   the one before is folded (counters uint32 [n_tokens, n_kv, 1 + max_spans]: the spans
 //   done, then each span's blocks done; zero before the first launch, reset by the block
-//   that finds its count complete).
+//   that finds its count complete). With `fold` = 0 the blocks only write the parts, and
+//   rf_attention_fold_d<D>, launched next, folds them.
 //   The grid is sized for the whole context; blocks past the token's last tile exit. In a
 //   one-row step a block stages the cache rows before the token's position ahead of its
 //   wait for the previous kernel (they are earlier steps').
 //   Launch: grid (n_kv, n_tokens, max_tiles), block RF_ATTN_WARPS * 32.
+// rf_attention_fold_d<D>: the fold of a decode launch's parts (its `fold` = 0), in a kernel
+//   of its own: a block per (head, token), whose context of more than
+//   RF_ATTN_DECODE_TILES(D) tiles it folds as the decode kernel's last blocks would, into
+//   the same bits. Its threads copy a round's records into shared memory at once (one
+//   round trip), then fold them there: a context of one span by the first D / 4 threads
+//   (a thread per 4 dims); a longer one a span per D / 4 threads (GROUPS spans a round),
+//   whose states the first D / 4 fold in order. In a one-row step it also quantizes the
+//   head's output for the O projection (`xq`).
+//   Launch: grid (n_head, n_tokens), block RF_ATTN_WARPS * 32.
 // rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
 //   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
 //   the group), token-major, 16 a warp, whose q fragments (hi and lo) and span state stay
@@ -377,48 +388,61 @@ RF_DEVICE_INLINE bool rf_attn_last_to_finish(uint32_t* counter, int arrivals, in
 }
 
 // Fold n records (tiles' parts or spans' states: acc or A[D], m or M, l or Lsum) from
-// `records` on, in order, into a state that starts at (-inf, 0, 0), for each of the
-// group's heads (head h's records from records + h head_stride): a thread per (head,
-// 4 dims), two batches (rf_attn_fold_batch) in turn, the next one loading while this one
-// is folded (no L1 prefetch first: on an H200 it held the folding block about 0.5 us, and
-// decode ran 1.7-2.3% faster at depth 2048-4096 without it). Head h's state goes to
-// dst + h dst_stride: the output A / Lsum when `normalize`, else a record.
+// `record` on, in order, into the state (M, Lsum, A of dims c..c + 3): two batches
+// (rf_attn_fold_batch) in turn, the next one loading while this one is folded.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_fold_chain(const float* record, int n, int c, float& big_m,
+                                         float& big_l, float a[4]) {
+    constexpr int RECORD = D + 4;
+    rf_attn_fold_batch<D> x, y;
+    x.load(record, c, n);
+    for (int j = 0; j < n; j += 2 * RF_ATTN_FOLD_BATCH) {
+        const int k = j + RF_ATTN_FOLD_BATCH;  // y's first record
+        if (k < n) {
+            y.load(record + k * RECORD, c, n - k);
+        }
+        x.fold(n - j, big_m, big_l, a);
+        if (k >= n) {
+            break;
+        }
+        const int next = k + RF_ATTN_FOLD_BATCH;
+        if (next < n) {
+            x.load(record + next * RECORD, c, n - next);
+        }
+        y.fold(n - k, big_m, big_l, a);
+    }
+}
+
+// A state's dims c..c + 3 to `state`: the output A / Lsum when `normalize`, else a record
+// (A, and M, Lsum after dim D - 1 from the thread of dims 0..3).
+template <int D>
+RF_DEVICE_INLINE void rf_attn_store_state(float* state, int c, float big_m, float big_l,
+                                          const float a[4], bool normalize) {
+    rf_attn_f32x4 v;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v.v[e] = normalize ? a[e] / big_l : a[e];
+    }
+    *(rf_attn_f32x4*)(state + c) = v;
+    if (!normalize && c == 0) {
+        *(rf_attn_f32x2*)(state + D) = rf_attn_f32x2{{big_m, big_l}};
+    }
+}
+
+// Fold n records from `records` on, in order, into a state that starts at (-inf, 0, 0),
+// for each of the group's heads (head h's records from records + h head_stride): a thread
+// per (head, 4 dims), loading straight from global memory (no L1 prefetch first: on an
+// H200 it held the folding block about 0.5 us, and decode ran 1.7-2.3% faster at depth
+// 2048-4096 without it). Head h's state goes to dst + h dst_stride (rf_attn_store_state).
 template <int D>
 RF_DEVICE_INLINE void rf_attn_fold_records(const float* records, int n, int64_t head_stride,
                                            int group, float* dst, int64_t dst_stride,
                                            bool normalize) {
-    constexpr int RECORD = D + 4;
     for (int i = (int)threadIdx.x; i < group * (D / 4); i += RF_ATTN_THREADS) {
         const int h = i / (D / 4), c = 4 * (i % (D / 4));
-        const float* record = records + h * head_stride;
         float big_m = -RF_INFINITY, big_l = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        rf_attn_fold_batch<D> x, y;
-        x.load(record, c, n);
-        for (int j = 0; j < n; j += 2 * RF_ATTN_FOLD_BATCH) {
-            const int k = j + RF_ATTN_FOLD_BATCH;  // y's first record
-            if (k < n) {
-                y.load(record + k * RECORD, c, n - k);
-            }
-            x.fold(n - j, big_m, big_l, a);
-            if (k >= n) {
-                break;
-            }
-            const int next = k + RF_ATTN_FOLD_BATCH;
-            if (next < n) {
-                x.load(record + next * RECORD, c, n - next);
-            }
-            y.fold(n - k, big_m, big_l, a);
-        }
-        float* state = dst + h * dst_stride;
-        rf_attn_f32x4 v;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            v.v[e] = normalize ? a[e] / big_l : a[e];
-        }
-        *(rf_attn_f32x4*)(state + c) = v;
-        if (!normalize && c == 0) {
-            *(rf_attn_f32x2*)(state + D) = rf_attn_f32x2{{big_m, big_l}};
-        }
+        rf_attn_fold_chain<D>(records + h * head_stride, n, c, big_m, big_l, a);
+        rf_attn_store_state<D>(dst + h * dst_stride, c, big_m, big_l, a, normalize);
     }
 }
 
@@ -472,7 +496,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
                                      int n_kv, float qscale, int max_tiles,
                                      float* RF_RESTRICT partial, uint32_t* RF_RESTRICT counters,
                                      float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq,
-                                     int ahead, int wave) {
+                                     int ahead, int wave, int fold) {
     constexpr int RECORD = D + 4;  // a part in `partial`: acc[D], m, l, 2 unused
     constexpr int PAIRS = (D / 16 + RF_ATTN_WARPS - 1) / RF_ATTN_WARPS;  // value pairs a warp
     const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
@@ -662,6 +686,9 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         }
         return;
     }
+    if (fold == 0) {
+        return;  // rf_attention_fold_d<D> folds the parts
+    }
     // Fold span by span (see the top): the span's last block to finish folds its parts;
     // with more than one span, into the span's state, and the last span to finish folds
     // every span's state.
@@ -707,10 +734,10 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
         const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,         \
         const int32_t *RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, float qscale,   \
         int max_tiles, float *RF_RESTRICT partial, uint32_t *RF_RESTRICT counters,         \
-        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead, int wave
+        float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead, int wave, int fold
 #define RF_ATTN_DECODE_ARGS                                                                \
     sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
-        counters, out, xq, ahead, wave
+        counters, out, xq, ahead, wave, fold
 RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
 void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
@@ -734,6 +761,105 @@ void rf_attention_decode_d128(RF_ATTN_DECODE_PARAMS) {
     __shared__ __align__(16) rf_attn_decode_shared sh;
     rf_pdl_launch_dependents();  // rf_attn_decode waits
     rf_attn_decode<128>(RF_ATTN_DECODE_ARGS);
+}
+
+// ---------------------------------------------------------------------------------------
+// The fold kernel's shared memory: the records of a round (one span's up to
+// RF_ATTN_ONE_SPAN_TILES parts, or GROUPS spans' parts) and the round's span states.
+template <int D>
+struct rf_attn_fold_shared {
+    static constexpr int GROUPS = RF_ATTN_THREADS / (D / 4);  // spans folded at once
+    static constexpr int RECORDS = GROUPS * RF_ATTN_SPAN > RF_ATTN_ONE_SPAN_TILES
+                                       ? GROUPS * RF_ATTN_SPAN
+                                       : RF_ATTN_ONE_SPAN_TILES;
+    float records[RECORDS * (D + 4)];
+    float states[GROUPS * (D + 4)];
+};
+
+template <int D>
+RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
+                                         const int32_t* RF_RESTRICT positions, int n_head,
+                                         int max_tiles, const float* RF_RESTRICT partial,
+                                         float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq) {
+    constexpr int RECORD = D + 4, GROUPS = rf_attn_fold_shared<D>::GROUPS;
+    static_assert(RECORD % 4 == 0, "records copied in 16-byte pieces");
+    const int head = blockIdx.x, token = blockIdx.y;
+    rf_pdl_wait();
+    const int length = positions[token] + 1;
+    const int n_tiles = (length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
+    if (n_tiles <= RF_ATTN_DECODE_TILES(D)) {
+        return;  // the decode kernel's block 0 took the context alone and wrote the output
+    }
+    const int max_spans = (max_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN;
+    const int64_t row = (int64_t)token * n_head + head;  // the (token, head) this block folds
+    const float* parts = partial + row * (max_tiles + max_spans) * RECORD;
+    const int n_spans = rf_attn_spans(n_tiles);
+    const int group = (int)threadIdx.x / (D / 4), c = 4 * ((int)threadIdx.x % (D / 4));
+    const int round_tiles = n_spans == 1 ? n_tiles : GROUPS * RF_ATTN_SPAN;
+    float big_m = -RF_INFINITY, big_l = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // group 0's
+    for (int s0 = 0; s0 < n_spans; s0 += GROUPS) {
+        const int first = s0 * RF_ATTN_SPAN, count = min(n_tiles - first, round_tiles);
+        __syncthreads();  // the previous round's records and states are folded
+        const float* src = parts + first * RECORD;
+        for (int i = (int)threadIdx.x; i < count * (RECORD / 4); i += RF_ATTN_THREADS) {
+            rf_cp_async16(sh.records + 4 * i, src + 4 * i, true);
+        }
+        rf_cp_async_commit();
+        rf_cp_async_wait<0>();
+        __syncthreads();
+        if (n_spans == 1) {
+            if (group == 0) {
+                rf_attn_fold_chain<D>(sh.records, count, c, big_m, big_l, a);
+            }
+            break;
+        }
+        const int spans = min(GROUPS, n_spans - s0);  // this round's: span s0 + g by group g
+        if (group < spans) {
+            float m = -RF_INFINITY, l = 0.0f, s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            rf_attn_fold_chain<D>(sh.records + group * RF_ATTN_SPAN * RECORD,
+                                  min(RF_ATTN_SPAN, count - group * RF_ATTN_SPAN), c, m, l, s);
+            rf_attn_store_state<D>(sh.states + group * RECORD, c, m, l, s, false);
+        }
+        __syncthreads();
+        if (group == 0) {
+            rf_attn_fold_chain<D>(sh.states, spans, c, big_m, big_l, a);
+        }
+    }
+    if (group == 0) {
+        rf_attn_store_state<D>(out + row * D, c, big_m, big_l, a, true);
+    }
+    if (xq != nullptr) {  // a one-row step (token 0)
+        rf_attn_quantize_out<D>(out + row * D, head, 1, n_head * D, xq);
+    }
+}
+
+#define RF_ATTN_FOLD_PARAMS                                                                 \
+    const int32_t *RF_RESTRICT positions, int n_head, int max_tiles,                        \
+        const float *RF_RESTRICT partial, float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq
+#define RF_ATTN_FOLD_ARGS sh, positions, n_head, max_tiles, partial, out, xq
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_fold_d32(RF_ATTN_FOLD_PARAMS) {
+    __shared__ __align__(16) rf_attn_fold_shared<32> sh;
+    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
+    rf_attn_fold_apart<32>(RF_ATTN_FOLD_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_fold_d64(RF_ATTN_FOLD_PARAMS) {
+    __shared__ __align__(16) rf_attn_fold_shared<64> sh;
+    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
+    rf_attn_fold_apart<64>(RF_ATTN_FOLD_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_fold_d96(RF_ATTN_FOLD_PARAMS) {
+    __shared__ __align__(16) rf_attn_fold_shared<96> sh;
+    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
+    rf_attn_fold_apart<96>(RF_ATTN_FOLD_ARGS);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
+void rf_attention_fold_d128(RF_ATTN_FOLD_PARAMS) {
+    __shared__ __align__(16) rf_attn_fold_shared<128> sh;
+    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
+    rf_attn_fold_apart<128>(RF_ATTN_FOLD_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from gpu_checks import hparams, rel_error, weight
 from rocforge_rt.backends import create_backend
 from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.attention import FOLD_KERNEL_MIN_TILES
 from rocforge_rt.backends.gpu.kernel_constants import (
     ATTN_ONE_SPAN_TILES,
     ATTN_SPAN,
@@ -162,16 +163,19 @@ def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, cont
 @pytest.mark.parametrize(("head_dim", "n_head", "n_kv"), [(64, 9, 3), (128, 32, 8), (96, 8, 8)])
 # One block alone (head dim 64), or folded: in one span, or in spans (past 64 tiles).
 @pytest.mark.parametrize("context", [1, 129, 1000, 4200])
+@pytest.mark.parametrize("fold_kernel_min_tiles", [1, 10**6])  # folded apart, or in the kernel
 def test_one_row_attention_hands_the_o_projection_its_output_quantized(
-    head_dim, n_head, n_kv, context, monkeypatch
+    head_dim, n_head, n_kv, context, fold_kernel_min_tiles, monkeypatch
 ):
-    """A one-row decode step's attention also writes its output row in the GEMV's q8 layout:
-    the bytes rf_quantize_q8_gemv makes of that row, and the O projection copying them gives
-    the bits of a GEMV whose blocks quantize the row themselves."""
+    """A one-row decode step's attention also writes its output row in the GEMV's q8 layout
+    (the decode kernel's last blocks, or rf_attention_fold): the bytes rf_quantize_q8_gemv
+    makes of that row, and the O projection copying them gives the bits of a GEMV whose
+    blocks quantize the row themselves."""
     width = n_head * head_dim
     hp = hparams(n_embd=width, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
     n_ctx = 4224
     gpu = create_backend("cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=4)
+    gpu.attention.fold_kernel_min_tiles = fold_kernel_min_tiles
     rng = np.random.default_rng(context + head_dim)
     for cache in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
         gpu.driver.copy_htod(cache, rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16))
@@ -397,19 +401,26 @@ def test_prefill_and_decode_attention_match_the_cpu_across_key_tiles(
 
 @pytest.mark.parametrize(("head_dim", "group"), ATTN_SHAPES)
 @pytest.mark.parametrize("context", ATTN_CONTEXTS)
-@pytest.mark.parametrize("wave", ["device", 1])
+@pytest.mark.parametrize(
+    ("wave", "fold_kernel_min_tiles"),
+    [("device", FOLD_KERNEL_MIN_TILES), (1, FOLD_KERNEL_MIN_TILES), ("device", 1),
+     ("device", 10**6)],
+)  # fmt: skip
 def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kernel(
-    attention_setup, monkeypatch, head_dim, group, context, wave
+    attention_setup, monkeypatch, head_dim, group, context, wave, fold_kernel_min_tiles
 ):
     """Each token of a chunk (the prefill kernel, rows of several tokens per fragment),
     decoded in steps of up to GEMV_MAX_ROWS tokens (the decode kernel, the context split
     across blocks), gives the same bits; so does its last token decoded alone (a one-row
     step, which stages the cache before its own row). Either way the decode blocks take two
-    tiles each, where the stage holds them, when one a block would overflow `wave` blocks:
-    the device's wave, or 1 (always)."""
+    tiles each, where the stage holds them, when one a block would overflow `wave` blocks
+    (the device's wave, or 1: always), and a step whose context reaches
+    `fold_kernel_min_tiles` tiles (the default; 1: every step; 10**6: none) folds the
+    parts in rf_attention_fold instead of the decode kernel's last blocks."""
     gpu, _ = attention_setup(head_dim, group)
     if wave != "device":
         monkeypatch.setattr(gpu.attention, "decode_wave", wave)
+    monkeypatch.setattr(gpu.attention, "fold_kernel_min_tiles", fold_kernel_min_tiles)
     q = np.random.default_rng(context + 1).standard_normal((ATTN_CHUNK, gpu.hparams.q_dim))
     q = q.astype(np.float32)
     chunk = chunk_reaching(context)

@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -197,7 +198,7 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
         "rf_attention_decode", "rf_gemv_q4_0_b1", "rf_gemv_q4_0_b8_swiglu", "rf_argmax_advance",
         "rf_sample_candidates", "rf_sample_advance", "rf_hold", "rf_mmv_q4_0_t1",
         "rf_mmv_q4_0_t1_swiglu", "rf_mmv_q4_0_t1_rope", "rf_quantize_q8_gemv",
-        "rf_gemv_q4_0_b1_swiglu_q8",
+        "rf_gemv_q4_0_b1_swiglu_q8", "rf_attention_fold",
     }  # fmt: skip
 
 
@@ -226,6 +227,9 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
             gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         gpu.matmul.gemv_prequant_min_k = 0  # one row quantized once for every GEMV
         gpu.run_step(batches[2], lambda b: forward(gpu, model, b), want_logits=True)
+        gpu.attention.fold_kernel_min_tiles = 1  # every decode step folds in its own kernel
+        for batch in batches[2:4]:
+            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         return {kernel for _, kernel, _ in driver.log}
 
 
@@ -272,15 +276,21 @@ def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
     )
 
 
-def decode_step_stats(hp, mode: str = "deferred") -> dict:
-    """Runtime stats of one greedy decode step of one row after a first (a graph's capture),
-    and of the step after it where it was issued ahead, on a fake device of 132
-    multiprocessors (an H100's or H200's) with zero weights of shape `hp`."""
+@contextlib.contextmanager
+def fake_h100(hp, mode: str, n_ctx: int = 64) -> Iterator[tuple[GpuBackend, ModelWeights]]:
+    """A one-slot backend on a fake device of 132 multiprocessors (an H100's or H200's),
+    with zero weights of shape `hp`."""
     with FakeDriver(signatures()) as driver:
         driver.info = dataclasses.replace(driver.info, multiprocessors=132, total_memory=8 << 30)
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=n_ctx, max_tokens=4,
                          mode=mode, batch_invariant=True)  # fmt: skip
-        model = zero_model(gpu, hp)
+        yield gpu, zero_model(gpu, hp)
+
+
+def decode_step_stats(hp, mode: str = "deferred") -> dict:
+    """Runtime stats of one greedy decode step of one row after a first (a graph's capture),
+    and of the step after it where it was issued ahead, on fake_h100."""
+    with fake_h100(hp, mode) as (gpu, model):
 
         def step(ahead: bool) -> StepOutput:
             batch = StepBatch.decode([1], [5], [0])
@@ -321,6 +331,35 @@ def test_a_step_counts_the_kernels_it_ran_whether_launched_or_replayed() -> None
     assert deferred["kernels_per_step"] == deferred["launches_per_step"] >= 7  # 5 a layer
     assert graph["kernels_per_step"] == deferred["kernels_per_step"]
     assert graph["launches_per_step"] < graph["kernels_per_step"]
+
+
+def test_pipelined_decode_past_the_fold_threshold_takes_a_graph_with_a_fold_kernel_a_layer():
+    """A decode step whose context reaches `fold_kernel_min_tiles` key tiles folds its
+    attention in rf_attention_fold: one more kernel a layer, in a graph of its own. The
+    step issued ahead of the first such step is not issued (its graph is not captured yet);
+    the step that then captures it is followed by steps issued ahead again."""
+    hp = hparams(n_vocab=512)
+    with fake_h100(hp, "graph", n_ctx=256) as (gpu, model):
+        gpu.attention.fold_kernel_min_tiles = 2  # from position 64 on
+        kernels, ahead = [], []
+        output = gpu.run_step(StepBatch.decode([1], [61], [0]), lambda b: forward(gpu, model, b),
+                              False, ahead=True)  # fmt: skip
+        kernels.append(gpu.executor.kernels)
+        for _ in range(3):  # positions 62, 63 issued ahead; 64 not
+            ahead.append(output.ahead)
+            if not output.ahead:
+                break
+            output = gpu.take_ahead(again=True)
+            kernels.append(gpu.executor.kernels)
+        output = gpu.run_step(StepBatch.decode([1], [64], [0]), lambda b: forward(gpu, model, b),
+                              False, ahead=True)  # fmt: skip
+        kernels.append(gpu.executor.kernels)
+        ahead.append(output.ahead)
+        gpu.take_ahead(again=False)
+        kernels.append(gpu.executor.kernels)
+    per_step = np.diff([0, *kernels])
+    assert ahead == [True, True, False, True]
+    assert per_step.tolist() == [per_step[0]] * 3 + [per_step[0] + hp.n_layer] * 2
 
 
 def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() -> None:

@@ -6,13 +6,16 @@ gets the same bits from either. A step's rows are split into runs (rows of one s
 at consecutive positions): a run past GEMV_MAX_ROWS tokens (a prompt chunk) takes the
 prefill kernel (FlashAttention-2 style, K/V tiles shared by its tokens), the rows
 between such runs the decode kernel (a block per tile, or per two tiles in a launch that
-would not run in one wave, folded by the last block to finish; a context of a tile or two,
-by head dim, in one block), in pieces of at most the
+would not run in one wave, folded by the last block to finish, or past
+FOLD_KERNEL_MIN_TILES tiles by rf_attention_fold launched after it; a context of a tile
+or two, by head dim, in one block), in pieces of at most the
 workspace's `attn_decode_rows`. Both have one kernel per head dim. Each launch reads
 its rows through pointers advanced to its first row, so a ragged step (several
 sequences' prompt chunks and decode rows) is one pass; a decode step is one launch. In a
-one-row step the decode kernel also quantizes the output row for the O projection's GEMV
-(kernels/rf_q8.h's layout, the bits rf_quantize_q8_gemv would give), which copies it.
+one-row step the kernel that writes the output row (the decode kernel, or the fold
+kernel) also quantizes it for the O projection's GEMV (kernels/rf_q8.h's layout, the bits
+rf_quantize_q8_gemv would give), which copies it. Whether a step folds apart changes its
+launches, so it is part of a decode graph's key (`folds_apart`).
 """
 
 import math
@@ -24,6 +27,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     ATTN_MAX_GROUP,
     ATTN_MAX_HEAD_DIM,
     ATTN_PREFILL_ROWS,
+    ATTN_TILE,
     ATTN_WARPS,
     GEMV_MAX_ROWS,
 )
@@ -33,6 +37,13 @@ from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.batch import StepBatch
 
+# A decode step whose longest context has at least this many key tiles leaves the fold of
+# its parts to rf_attention_fold, a launch of its own, instead of the decode kernel's last
+# blocks (their fences and counters, and a folding block's serial loads). Measured (1B
+# shape, one row, H200; fold kernel always against never): 17-18 tiles -1.6%, 25-26
+# +0.6% to +1.0%, 32-34 +2.2% to +3.2%, 65-66 +4.9%, 129-130 +1.1% (docs/bench/
+# decode-20261128d/); the 8B shape at 65-66 tiles +1.6%.
+FOLD_KERNEL_MIN_TILES = 24
 HEAD_DIM_STEP = 32  # the kernels are instantiated for head dims 32, 64, 96 and 128
 LOG2_E = 1.4426950408889634  # the kernels' scores are in the log2 domain
 
@@ -101,8 +112,13 @@ class Attention:
         self.hparams = hparams
         self.n_ctx = n_ctx
         self.qscale = float(np.float32(LOG2_E / math.sqrt(hparams.head_dim_k)))
-        # The launches of the step being issued (every layer's are the same).
-        self._ranges: tuple[StepBatch | None, list[AttentionRange]] = (None, [])
+        # The launches of the step being issued (every layer's are the same) and whether its
+        # decode launches fold apart, by (batch, fold_kernel_min_tiles).
+        self._ranges: tuple[tuple[StepBatch, int] | None, list[AttentionRange], bool] = (
+            None, [], False
+        )  # fmt: skip
+        # Contexts (key tiles) from which a decode step folds in rf_attention_fold (A/B lever).
+        self.fold_kernel_min_tiles = FOLD_KERNEL_MIN_TILES
         # A one-row step's output is also quantized by the decode kernel, in the layout the
         # O projection's GEMV copies (A/B lever).
         self.quantize_out = True
@@ -121,23 +137,31 @@ class Attention:
         """Each token over its slot's cache: runs of one slot's consecutive positions past
         GEMV_MAX_ROWS rows take the prefill kernel, the other rows the decode kernel; both
         give a token the same bits (kernels/attention.hip)."""
-        ranges = self._step_ranges(batch)
+        ranges, fold_apart = self._step_ranges(batch)
         xq = self.ws.gemv_xq.ptr if self.quantize_out and q.rows == 1 else 0
         for index, launch in enumerate(ranges):
             if launch.prefill:
                 self._prefill(q, layer, index, launch.first, launch.rows)
             else:
-                self._decode(q, layer, index, launch.first, launch.rows, xq, q.rows == 1)
+                self._decode(q, layer, index, launch, xq, q.rows == 1, fold_apart)
         hp = self.hparams
         return Activation(self.ws.attn, q.rows, hp.n_head * hp.head_dim_v, q8=xq)
 
-    def _step_ranges(self, batch: StepBatch) -> list[AttentionRange]:
-        """The batch's attention launches, computed once for all its layers."""
-        planned, ranges = self._ranges
-        if planned is not batch:
+    def folds_apart(self, batch: StepBatch) -> bool:
+        """Whether the batch's decode launches leave their fold to rf_attention_fold: its
+        longest context has at least `fold_kernel_min_tiles` key tiles."""
+        longest = int(batch.positions.max()) + 1 if batch.n_tokens else 0
+        return math.ceil(longest / ATTN_TILE) >= self.fold_kernel_min_tiles
+
+    def _step_ranges(self, batch: StepBatch) -> tuple[list[AttentionRange], bool]:
+        """The batch's attention launches and whether its decode launches fold apart,
+        computed once for all its layers."""
+        planned, ranges, fold_apart = self._ranges
+        if planned is None or planned[0] is not batch or planned[1] != self.fold_kernel_min_tiles:
             ranges = attention_ranges(batch.slots, batch.positions, self.ws.attn_decode_rows)
-            self._ranges = (batch, ranges)
-        return ranges
+            fold_apart = self.folds_apart(batch)
+            self._ranges = ((batch, self.fold_kernel_min_tiles), ranges, fold_apart)
+        return ranges, fold_apart
 
     def _row_pointers(self, q: Activation, first: int) -> tuple[int, int, int, int]:
         """q, positions, slots and the output, each advanced to row `first`."""
@@ -161,20 +185,30 @@ class Attention:
         )  # fmt: skip
 
     def _decode(
-        self, q: Activation, layer: int, index: int, first: int, rows: int, xq: int, ahead: bool
-    ) -> None:
+        self, q: Activation, layer: int, index: int, launch: AttentionRange, xq: int,
+        ahead: bool, fold_apart: bool,
+    ) -> None:  # fmt: skip
         """Rows of any slots and positions (at most `attn_decode_rows`) on the decode kernel;
         with `xq` (a one-row step), the output row is also quantized there. `ahead` (a
         one-row step: only the row's own cache entry is this step's) lets the kernel stage the
-        rest of the cache before it waits for the Q|K|V projection."""
+        rest of the cache before it waits for the Q|K|V projection. `fold_apart`: the kernel
+        leaves its parts to rf_attention_fold, launched next (which then quantizes)."""
         hp, ws = self.hparams, self.ws
-        q_ptr, positions, slots, out = self._row_pointers(q, first)
+        q_ptr, positions, slots, out = self._row_pointers(q, launch.first)
         self._launch(
-            ("attention", layer, index),
+            ("attention", layer, index, fold_apart),
             f"rf_attention_decode_d{hp.head_dim_k}",
-            (hp.n_head_kv, rows, ws.attn_tiles),
+            (hp.n_head_kv, launch.rows, ws.attn_tiles),
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,
-             hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles,
-             ws.attn_partial.ptr, ws.attn_counters.ptr, out, xq, int(ahead), self.decode_wave),
+             hp.n_head, hp.n_head_kv, self.qscale, ws.attn_tiles, ws.attn_partial.ptr,
+             ws.attn_counters.ptr, out, xq, int(ahead), self.decode_wave, int(not fold_apart)),
         )  # fmt: skip
+        if fold_apart:
+            self._launch(
+                ("attention-fold", layer, index),
+                f"rf_attention_fold_d{hp.head_dim_k}",
+                (hp.n_head, launch.rows, 1),
+                (ATTN_WARPS * 32, 1, 1),
+                (positions, hp.n_head, ws.attn_tiles, ws.attn_partial.ptr, out, xq),
+            )

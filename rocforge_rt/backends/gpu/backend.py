@@ -124,6 +124,7 @@ class GpuBackend:
             lookahead=lookahead,
             launch_tracker=self.launch_tracker,
             kernel_timer=self.kernel_timer,
+            launch_variant=self.attention.folds_apart,
         )
 
     @property

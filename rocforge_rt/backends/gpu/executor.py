@@ -19,7 +19,7 @@ its rows' KV entries lie past what their sessions hold, and are overwritten.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +39,6 @@ from rocforge_rt.step.sampling import RowSampling
 
 STEP_MODES = ("per-kernel-sync", "deferred", "graph")
 GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
-
-
-def graph_key(batch: StepBatch) -> tuple[int, bool, bool]:
-    """What a decode graph's launches depend on: rows, whether they sample beyond the
-    argmax, whether any is penalized."""
-    return batch.n_tokens, batch.sampling.needs_sampler, batch.sampling.penalized
 
 
 def check_mode(mode: str) -> None:
@@ -82,6 +76,7 @@ class StepExecutor:
         lookahead: bool,
         launch_tracker: LaunchOverheadTracker,
         kernel_timer: KernelTimer,
+        launch_variant: Callable[[StepBatch], Hashable],
     ) -> None:
         self.driver = driver
         self.stream = stream
@@ -96,8 +91,10 @@ class StepExecutor:
         self.lookahead = lookahead  # pipelined decode (the module docstring)
         self.launch_tracker = launch_tracker
         self.kernel_timer = kernel_timer
+        # What else than the batch's shape and sampler a step's launches depend on.
+        self._launch_variant = launch_variant
         # Decode graphs by graph_key.
-        self._graphs: dict[tuple[int, bool, bool], StepGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool, Hashable], StepGraph] = {}
         self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
         self._ahead: IssuedStep | None = None  # a decode step issued ahead, not yet read
         self._readback = 0  # the readback set the next step issued uses
@@ -116,6 +113,13 @@ class StepExecutor:
         check_mode(mode)
         self._mode = mode
         self.launcher.sync_each = mode == "per-kernel-sync"
+
+    def graph_key(self, batch: StepBatch) -> tuple[int, bool, bool, Hashable]:
+        """What a decode graph's launches depend on: rows, whether they sample beyond the
+        argmax, whether any is penalized, and the launch variant (the attention's fold)."""
+        sampling = batch.sampling
+        return (batch.n_tokens, sampling.needs_sampler, sampling.penalized,
+                self._launch_variant(batch))  # fmt: skip
 
     # --- step state ----------------------------------------------------------------------
     def write_step_state(self, batch: StepBatch) -> None:
@@ -193,8 +197,9 @@ class StepExecutor:
         try:
             self.write_step_state(batch)
             if replay:
-                replay_timed = self._replay(batch, forward, tracker)
-                kernels = self._graphs[graph_key(batch)].kernels
+                graph = self._graph(batch, forward)
+                replay_timed = self._replay(graph, tracker)
+                kernels = graph.kernels
             else:
                 launcher.timer = self.kernel_timer if timed else None
                 try:
@@ -243,12 +248,15 @@ class StepExecutor:
             self.ahead_dropped += 1
 
     def _issue_ahead(self, step: IssuedStep) -> None:
-        """Replay `step`'s graph again: the next decode step of its rows, which the device's
-        step state already describes; nothing when a row's next position is past its slot."""
+        """Replay the graph of the next decode step of `step`'s rows, which the device's step
+        state already describes; nothing when a row's next position is past its slot, or
+        when that step takes a graph not captured yet (run_step captures it)."""
         if not step.batch.next_decode_fits(self.n_ctx):
             return
         batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
-        graph = self._graphs[graph_key(batch)]
+        graph = self._graphs.get(self.graph_key(batch))
+        if graph is None:
+            return
         graph.replay()
         self._ahead = self._queue_readback(batch, False, graph.kernels)
 
@@ -286,22 +294,19 @@ class StepExecutor:
             for r, n in enumerate(counts.tolist())
         )
 
-    def _replay(
-        self,
-        batch: StepBatch,
-        forward: Callable[[StepBatch], Activation],
-        tracker: LaunchOverheadTracker | None,
-    ) -> bool:
-        """Replay the decode graph of this batch size and sampler, capturing it on first use.
-
-        Returns whether the kernel timer timed this replay (read it after the sync).
-        """
-        key = graph_key(batch)
+    def _graph(self, batch: StepBatch, forward: Callable[[StepBatch], Activation]) -> StepGraph:
+        """The decode graph of this batch's graph_key, captured on first use."""
+        key = self.graph_key(batch)
         graph = self._graphs.get(key)
         if graph is None:
             graph = StepGraph(self.driver, self.stream)
             graph.capture(lambda: self._record(batch, forward))
             self._graphs[key] = graph
+        return graph
+
+    def _replay(self, graph: StepGraph, tracker: LaunchOverheadTracker | None) -> bool:
+        """Replay a decode graph; returns whether the kernel timer timed this replay (read it
+        after the sync)."""
         timed = self.kernel_timer.begin_replay(self.steps)
         replay_start = time.perf_counter_ns()
         graph.replay()
