@@ -48,25 +48,28 @@ MODES = ("per-kernel-sync", "deferred", "graph")
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
 
 
-def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:
-    """Launches and syncs per decode step from the backend's counters (GPU backends)."""
+def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator, depth: int) -> dict:
+    """Launches, kernels and syncs per decode step at `depth` from the backend's counters
+    (GPU backends)."""
     backend = engine.backend
     if not hasattr(backend, "runtime_stats"):
         return {}
     backend.reset_runtime_stats()
-    decode_tokens_per_s(engine, n_decode, rng)
+    decode_tokens_per_s(engine, n_decode, rng, depth=depth)
     stats = backend.runtime_stats()
     stats["launches_per_layer"] = stats["launches_per_step"] / engine.hparams.n_layer
     return stats
 
 
-def arg_cache_off_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator) -> dict:
+def arg_cache_off_step_stats(
+    engine: Engine, n_decode: int, rng: np.random.Generator, depth: int
+) -> dict:
     """Decode-step stats with every launch repacking its arguments (the cache's A/B)."""
     from rocforge_rt.backends.gpu.launch import set_arg_cache_enabled
 
     set_arg_cache_enabled(False)
     try:
-        return decode_step_stats(engine, n_decode, rng)
+        return decode_step_stats(engine, n_decode, rng, depth)
     finally:
         set_arg_cache_enabled(True)
 
@@ -120,7 +123,7 @@ class ModeBench:
             self.runs["prompt"].append(prompt_tokens_per_s(engine, args.n_prompt, rng))
 
     def result(self) -> dict[str, object]:
-        engine, runs = self.engine, self.runs
+        engine, runs, args = self.engine, self.runs, self.args
         result: dict[str, object] = {
             "decode_tokens_per_s": statistics.median(runs["decode"]),
             "decode_sampled_tokens_per_s": statistics.median(runs["decode_sampled"]),
@@ -129,11 +132,11 @@ class ModeBench:
             "decode_sampled_runs": runs["decode_sampled"],
             "prompt_runs": runs["prompt"],
             "device": engine.backend.device_info(),
-            "decode_step": decode_step_stats(engine, self.args.n_decode, self.rng),
+            "decode_step": decode_step_stats(engine, args.n_decode, self.rng, args.depth),
         }
         if self.mode == "deferred":  # host cost of issuing a step, with and without the cache
             result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(
-                engine, self.args.n_decode, self.rng
+                engine, args.n_decode, self.rng, args.depth
             )
         print(
             f"{self.label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
