@@ -52,3 +52,23 @@ def test_greedy_tokens_are_the_same_alone_and_in_a_batch(synthetic_model, n_sess
     together = generate(engine, batch, max_tokens)
     for i, (prompt, n) in enumerate(zip(batch, max_tokens, strict=True)):
         assert generate(engine, [prompt], [n]) == [together[i]], i
+
+
+@pytest.mark.parametrize("n_sessions", [1, 3])
+def test_decode_past_the_fold_kernel_threshold_gives_the_tokens_of_the_in_kernel_fold(
+    synthetic_model, n_sessions
+):
+    """Pipelined graph decode whose contexts grow past `fold_kernel_min_tiles` key tiles
+    (here 2: from 65 positions on) changes to a graph with rf_attention_fold a layer once,
+    and gives the tokens and log-probabilities of decode that folds in the decode kernel
+    throughout."""
+    runs, stats = [], []
+    for min_tiles in (10**6, 2):
+        engine = Engine.load(synthetic_model, backend="cuda", n_slots=n_sessions, n_ctx=256)
+        engine.backend.attention.fold_kernel_min_tiles = min_tiles
+        batch = prompts(n_sessions, engine.hparams.n_vocab)  # all shorter than 64 tokens
+        runs.append(generate(engine, batch, [100] * n_sessions))
+        stats.append(engine.backend.runtime_stats())
+    assert runs[1] == runs[0]
+    assert stats[1]["graph_captures"] == stats[0]["graph_captures"] + 1
+    assert stats[1]["ahead_taken"] > 0
