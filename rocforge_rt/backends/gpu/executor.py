@@ -2,7 +2,8 @@
 
 Modes (bit-identical results): `per-kernel-sync` (a sync after every launch, for A/B),
 `deferred` (the step issued whole, one sync at the readback) and `graph` (each decode
-batch shape captured once into a graph and replayed as one launch). Per-step values
+batch shape and launch variant, `graph_key`, captured once into a graph and replayed as
+one launch). Per-step values
 (tokens, positions, KV slots, sampling rows) live in the workspace's step-state
 buffers, which the kernels read through pointers, so a launch handle's arguments are
 the same bytes from one decode step to the next; the sampler advances that state on
