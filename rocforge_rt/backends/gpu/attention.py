@@ -40,8 +40,8 @@ from rocforge_rt.step.batch import StepBatch
 # A decode step whose longest context has at least this many key tiles leaves the fold of
 # its parts to rf_attention_fold, a launch of its own, instead of the decode kernel's last
 # blocks (their fences and counters, and a folding block's serial loads). Measured (1B
-# shape, one row, H200; fold kernel always against never): 17-18 tiles -1.6%, 25-26
-# +0.6% to +1.0%, 32-34 +2.2% to +3.2%, 65-66 +4.9%, 129-130 +1.1% (docs/bench/
+# shape, one row, H200; fold kernel always against never): 17-18 tiles -1.6% / -1.6%,
+# 25-26 +0.5% / +0.8%, 32-34 +3.2% / +2.2%, 65-66 +5.0%, 129-130 +1.0% (docs/bench/
 # decode-20261128d/); the 8B shape at 65-66 tiles +1.6%.
 FOLD_KERNEL_MIN_TILES = 24
 HEAD_DIM_STEP = 32  # the kernels are instantiated for head dims 32, 64, 96 and 128
