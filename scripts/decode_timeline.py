@@ -122,13 +122,12 @@ def cupti_kernels(engine: Engine, n_decode: int, depth: int) -> tuple[list[Kerne
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
-    parser.add_argument("--backend", default="cuda")
     parser.add_argument("--depth", type=int, default=0, help="prompt tokens before the decode")
     parser.add_argument("--steps", type=int, default=24, help="decode steps profiled")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     engine = Engine.load(
-        args.model, backend=args.backend, n_ctx=max(args.depth, 1) + args.steps + 16, mode="graph"
+        args.model, backend="cuda", n_ctx=max(args.depth, 1) + args.steps + 16, mode="graph"
     )
     spans, tokens_per_s = cupti_kernels(engine, args.steps, args.depth)
     result = {"model": args.model, "depth": args.depth, "tokens_per_s_profiled": tokens_per_s}
