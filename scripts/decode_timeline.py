@@ -11,12 +11,12 @@ that have PyTorch; the runtime does not use it) for --steps batch-1 decode steps
   - launches a step;
   - its span: first block's start to last block's end (under overlap this includes the
     time its blocks wait for the kernel before);
-  - its increment: its end minus the end of the kernel before it, the time it adds to the
-    step's critical path. A step's increments add up to the step (first kernel's end to
-    last kernel's end), so their sums per step say where the step's time goes.
+  - its increment: its end minus the end of the kernel launched before it, the time it adds
+    to the step's critical path. A step's increments add up to the step (its last kernel's
+    end minus the end of the kernel before its first), so their sums say where it goes.
 
-Medians over the steps. CUPTI costs time too (about 7-13% of decode tokens/s on an H200),
-so compare timelines with each other, not with bench_decode's figures.
+Medians over the steps. CUPTI costs time too (3-13% of the 1B shape's decode tokens/s on
+an H200), so compare timelines with each other, not with bench_decode's figures.
 
     python3 scripts/decode_timeline.py MODEL --depth 4096 --out timeline-d4096.json
 """
