@@ -370,6 +370,11 @@ RF_DEVICE_INLINE int rf_attn_spans(int n_tiles) {
     return n_tiles > RF_ATTN_ONE_SPAN_TILES ? (n_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN : 1;
 }
 
+// The span states a row of `partial` holds after its max_tiles parts (see the top).
+RF_DEVICE_INLINE int rf_attn_max_spans(int max_tiles) {
+    return (max_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN;
+}
+
 // Whether this block is the last of `arrivals` blocks to finish (every thread gets the
 // answer, through `flag` in shared memory): what each block wrote before the call is
 // visible to the last one after it, which also resets the counter for the next launch.
@@ -562,7 +567,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     // The state of this lane's rows and value columns (folded here when alone).
     float big_m[2] = {-RF_INFINITY, -RF_INFINITY}, big_l[2] = {0.0f, 0.0f};
     float a[PAIRS][2][4] = {};
-    const int max_spans = (max_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN;
+    const int max_spans = rf_attn_max_spans(max_tiles);
     const int64_t head_stride = (int64_t)(max_tiles + max_spans) * RECORD;  // a head's records
     float* parts = partial + head0 * head_stride;  // head h's tile j: h head_stride + j RECORD
     // Per tile, warp w takes the column blocks 2w, 2w + 1 (positions 16 w..16 w + 15) of s
@@ -790,7 +795,7 @@ RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
     if (n_tiles <= RF_ATTN_DECODE_TILES(D)) {
         return;  // the decode kernel's block 0 took the context alone and wrote the output
     }
-    const int max_spans = (max_tiles + RF_ATTN_SPAN - 1) / RF_ATTN_SPAN;
+    const int max_spans = rf_attn_max_spans(max_tiles);
     const int64_t row = (int64_t)token * n_head + head;  // the (token, head) this block folds
     const float* parts = partial + row * (max_tiles + max_spans) * RECORD;
     const int n_spans = rf_attn_spans(n_tiles);

@@ -8,9 +8,11 @@
 //   logits     fp32 [n_rows, n_vocab]
 //   tokens     int32 [n_rows] step state: receives the argmax (the next step's input)
 //   positions  int32 [n_rows] step state: incremented by one
-//   sampled    int32 [n_rows]: the argmax again, for the host to read back
-//   logprob    fp32 [n_rows]: log-softmax of the chosen token
-//   stats      [n_rows] (max, log of the sum of exp(x - max)): what rf_sample_advance reads
+//   sampled    int32 [n_rows]: the argmax again, for the host to read back (the host's
+//              mapped memory: only written)
+//   logprob    fp32 [n_rows]: log-softmax of the chosen token (likewise)
+//   stats      [n_rows] (max, log of the sum of exp(x - max), argmax): what
+//              rf_sample_advance reads
 //   partial    scratch [n_rows, gridDim.x] of (max, index, sum of exp(x - max))
 //   counters   uint32 [n_rows], zero before the first launch; the combining block
 //              resets its counter, so every launch (and graph replay) starts at 0
@@ -38,6 +40,7 @@ struct rf_argmax_part {
 struct rf_row_stats {
     float max;
     float log_sum;  // logf of the sum of exp(x - max) over the row
+    int index;      // the argmax
 };
 
 RF_DEVICE_INLINE void rf_better(float& best, int& index, float v, int i) {
@@ -125,6 +128,7 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
     const float log_sum = logf(total);
     stats[row].max = row_best;
     stats[row].log_sum = log_sum;
+    stats[row].index = row_index;
     sampled[row] = row_index;
     logprob[row] = -log_sum;
     if (advance) {
@@ -166,7 +170,8 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 //   first_row  the batch row of logits row 0: row r's drawn token sits at context
 //              position positions[first_row + r] + 1
 //   n_slices   as rf_sample_candidates was launched (0: it was not; general path only)
-//   top_tokens int32 [n_rows, RF_SAMPLE_MAX_TOP], top_logprobs fp32 likewise
+//   top_tokens int32 [n_rows, RF_SAMPLE_MAX_TOP], top_logprobs fp32 likewise; these, sampled
+//              and logprob in the host's mapped memory (only written)
 //   Launch: grid (n_rows), block RF_SAMPLE_THREADS.
 #define RF_SAMPLE_WARPS (RF_SAMPLE_THREADS / RF_WARP_SIZE)
 #define RF_SAMPLE_FIRST_BITS 11
@@ -701,7 +706,7 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
     const float log_sum = stats[row].log_sum;
     const bool greedy = rf_sample_greedy(p);
     if (tid == 0) {
-        s.token = sampled[row];  // the argmax (rf_argmax_advance)
+        s.token = stats[row].index;  // the argmax (rf_argmax_advance)
     }
 
     // The row's best candidates, merged from the slices' (best first).

@@ -96,7 +96,7 @@ def launch_cost_ns(backend: Any, launches: int = 30_000, per_step: int = 180) ->
     gate = backend.workspace.gate
     gate.view(np.uint32, 1)[0] = 1  # open: rf_hold returns at once
     handle = backend.launcher.new_handle("rf_hold", (1, 1, 1), (1, 1, 1))
-    handle.set_args(gate.ptr, 1, 1)
+    handle.set_args(gate.device_ptr, 1, 1)
     tracker = backend.launch_tracker
     samples: dict[bool, list[float]] = {False: [], True: []}
     for block in range(2 * launches // per_step):

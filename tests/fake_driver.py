@@ -39,6 +39,7 @@ class FakeDriver(Driver):
         "alloc": "fakeMalloc",
         "free": "fakeFree",
         "host_alloc": "fakeMalloc",
+        "host_device_pointer": "fakeHostGetDevicePointer",
         "host_free": "fakeFree",
         "copy_htod": "fakeMemcpy",
         "copy_htod_async": "fakeMemcpy",
@@ -89,6 +90,7 @@ class FakeDriver(Driver):
             stream_flags=0,
             event_no_timing_flags=1,
             host_alloc_flags=0,
+            mapped_host_alloc_flags=2,
             capture_mode=0,
         )
 
@@ -102,6 +104,9 @@ class FakeDriver(Driver):
         block = ctypes.create_string_buffer(nbytes)
         self._memory[ctypes.addressof(block)] = block
         return (0, ctypes.addressof(block))
+
+    def fakeHostGetDevicePointer(self, ptr: int, flags: int) -> tuple[int, int]:
+        return (0, ptr)  # one address space
 
     def fakeFree(self, ptr: int) -> tuple[int]:
         del self._memory[ptr]

@@ -70,5 +70,5 @@ def test_decode_past_the_fold_kernel_threshold_gives_the_tokens_of_the_in_kernel
         runs.append(generate(engine, batch, [100] * n_sessions))
         stats.append(engine.backend.runtime_stats())
     assert runs[1] == runs[0]
-    assert stats[1]["graph_captures"] == stats[0]["graph_captures"] + 1
+    assert stats[1]["graph_captures"] == stats[0]["graph_captures"] + 2  # one a readback set
     assert stats[1]["ahead_taken"] > 0

@@ -333,6 +333,50 @@ def test_a_step_counts_the_kernels_it_ran_whether_launched_or_replayed() -> None
     assert graph["launches_per_step"] < graph["kernels_per_step"]
 
 
+def test_each_step_samples_into_its_readback_set_and_only_logits_are_copied_back() -> None:
+    """The argmax writes a step's tokens and log-probabilities straight into the mapped host
+    memory of the step's readback set, the two sets taken in turn (a step issued ahead takes
+    the other one, through its own graph); a step copies back only the logits it asks for."""
+    hp = hparams(n_vocab=512)
+    with fake_h100(hp, "graph") as (gpu, model):
+        copies = []
+        gpu.driver.copy_dtoh = lambda *args, **kwargs: copies.append(args)
+
+        def step(want_logits: bool, ahead: bool) -> StepOutput:
+            batch = StepBatch.decode([1], [5], [0])
+            return gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits, ahead)
+
+        step(False, ahead=False)
+        assert step(False, ahead=True).ahead
+        gpu.take_ahead(again=False)
+        assert copies == []
+        step(True, ahead=False)
+        assert [dst for dst, *_ in copies] == [gpu.workspace.logits_host]
+        types = signatures()["rf_argmax_advance"]
+        layout = "<" + "".join({"ptr": "Q", "i32": "i", "u32": "I", "f32": "f"}[t] for t in types)
+        sampled_into = [  # the arguments: logits, n_vocab, tokens, positions, sampled, ...
+            struct.unpack(layout, args)[4]
+            for _, kernel, args in gpu.driver.log
+            if kernel == "rf_argmax_advance"
+        ]
+    sets = [readback.tokens.device_ptr for readback in gpu.workspace.readbacks]
+    assert sampled_into == [sets[0], sets[1], sets[0], sets[1]]
+
+
+def test_greedy_and_drawn_decode_steps_in_turn_replay_their_graphs_without_recapturing() -> None:
+    """Greedy decode graphs and those of steps that draw differ in one argument of the argmax
+    (whether it advances the step state), so they launch it through handles of their own:
+    going back and forth captures each graph once (one a readback set) and re-captures none."""
+    hp = hparams(n_vocab=512)
+    drawn = RowSampling.of([Sampler(SamplingParams(temperature=1.0, seed=3))])
+    with fake_h100(hp, "graph") as (gpu, model):
+        for position in range(5, 14):
+            sampling = (drawn,) if position % 3 == 2 else ()
+            batch = StepBatch.decode([1], [position], [0], *sampling)
+            gpu.run_step(batch, lambda b: forward(gpu, model, b), False)
+        assert gpu.runtime_stats()["graph_captures"] == 4
+
+
 def test_pipelined_decode_past_the_fold_threshold_takes_a_graph_with_a_fold_kernel_a_layer():
     """A decode step whose context reaches `fold_kernel_min_tiles` key tiles folds its
     attention in rf_attention_fold: one more kernel a layer, in a graph of its own. The

@@ -49,7 +49,7 @@ class GpuBackend:
     ragged_steps = True
     embed: Embedding  # (table, batch) -> Activation
     attention: Attention  # (q, layer, batch) -> Activation
-    sample: Sampling  # (logits, sampling, first_row): each row's token into the step state
+    sample: Sampling  # (logits, sampling, first_row, readback): each row's token into both
 
     def __init__(
         self,

@@ -157,6 +157,7 @@ class CudaDriver(Driver):
         "alloc": "cuMemAlloc",
         "free": "cuMemFree",
         "host_alloc": "cuMemHostAlloc",
+        "host_device_pointer": "cuMemHostGetDevicePointer",
         "host_free": "cuMemFreeHost",
         "copy_htod": "cuMemcpyHtoD",
         "copy_htod_async": "cuMemcpyHtoDAsync",
@@ -206,6 +207,7 @@ class CudaDriver(Driver):
             stream_flags=cu.CUstream_flags.CU_STREAM_DEFAULT,
             event_no_timing_flags=cu.CUevent_flags.CU_EVENT_DISABLE_TIMING,
             host_alloc_flags=0,
+            mapped_host_alloc_flags=cu.CU_MEMHOSTALLOC_DEVICEMAP,
             capture_mode=cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )
         # Programmatic dependent launch and bulk copies need compute capability 9.0 (Hopper)

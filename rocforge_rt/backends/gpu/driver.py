@@ -57,6 +57,7 @@ PRIMITIVES = (
     "alloc",  # (nbytes) -> device pointer
     "free",  # (ptr)
     "host_alloc",  # (nbytes, flags) -> page-locked host pointer
+    "host_device_pointer",  # (host pointer of mapped page-locked memory, 0) -> device pointer
     "host_free",  # (ptr)
     "copy_htod",  # (dst, src, nbytes), synchronous
     "copy_htod_async",  # (dst, src, nbytes, stream)
@@ -148,14 +149,16 @@ class DeviceBuffer:
 
 
 class PinnedBuffer:
-    """Page-locked host memory, the source or target of asynchronous copies."""
+    """Page-locked host memory, the source or target of asynchronous copies; mapped memory
+    also has a `device_ptr` (0 where not mapped) through which kernels read and write it."""
 
-    __slots__ = ("_bytes", "_driver", "nbytes", "ptr")
+    __slots__ = ("_bytes", "_driver", "device_ptr", "nbytes", "ptr")
 
-    def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
+    def __init__(self, driver: Driver, ptr: int, nbytes: int, device_ptr: int = 0) -> None:
         self._driver = driver
         self.ptr = ptr
         self.nbytes = nbytes
+        self.device_ptr = device_ptr
         self._bytes = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
     def view(self, dtype: Any, shape: int | tuple[int, ...]) -> np.ndarray:
@@ -310,8 +313,9 @@ class Driver(ABC):
     current on the calling thread and then calls ``super().__init__`` with the
     device info, the binding module and the values its functions take:
     `stream_flags` for blocking streams (ordered with the null stream),
-    `event_no_timing_flags`, `host_alloc_flags` for plain page-locked memory and
-    `capture_mode` for thread-local stream capture.
+    `event_no_timing_flags`, `host_alloc_flags` for plain page-locked memory,
+    `mapped_host_alloc_flags` for page-locked memory mapped into the device's address
+    space and `capture_mode` for thread-local stream capture.
     """
 
     api_names: ClassVar[Mapping[str, str]]
@@ -330,6 +334,7 @@ class Driver(ABC):
         stream_flags: Any,
         event_no_timing_flags: Any,
         host_alloc_flags: Any,
+        mapped_host_alloc_flags: Any,
         capture_mode: Any,
     ) -> None:
         if differ := set(PRIMITIVES) ^ set(self.api_names):
@@ -341,6 +346,7 @@ class Driver(ABC):
         self._stream_flags = stream_flags
         self._event_no_timing_flags = event_no_timing_flags
         self._host_alloc_flags = host_alloc_flags
+        self._mapped_host_alloc_flags = mapped_host_alloc_flags
         self._capture_mode = capture_mode
         self.info = info
         self.counters = DriverCounters()
@@ -385,14 +391,18 @@ class Driver(ABC):
         self._own(buf, _DEVICE, lambda: self._free_device(buf))
         return buf
 
-    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
-        """Page-locked host memory."""
+    def alloc_pinned(self, nbytes: int, *, mapped: bool = False) -> PinnedBuffer:
+        """Page-locked host memory; `mapped`: also in the device's address space, so that
+        kernels write it directly (the host reads it once the stream's work is done)."""
         self.check_thread()
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
-        ptr = int(self._call("host_alloc", nbytes, self._host_alloc_flags))
+        flags = self._mapped_host_alloc_flags if mapped else self._host_alloc_flags
+        ptr = int(self._call("host_alloc", nbytes, flags))
         buf = PinnedBuffer(self, ptr, nbytes)
         self._own(buf, _PINNED, lambda: self._free_pinned(buf))
+        if mapped:
+            buf.device_ptr = int(self._call("host_device_pointer", ptr, 0))
         return buf
 
     def free(self, buf: DeviceBuffer | PinnedBuffer) -> None:

@@ -13,10 +13,12 @@ Pipelined decode (graph mode): because the device already holds the next decode 
 state, a decode step may be followed, before it is read back, by the replay of the next
 step of the same rows (`run_step(..., ahead=True)`, `take_ahead`). The host then reads
 a step's tokens, checks stops and answers clients while the device runs the next one.
-The two steps read back into the two readback sets (workspace.py) and are waited for
-through those sets' events, never by synchronizing the stream. A step issued ahead that
-the engine does not take (a row finished, new work arrived) is waited for and dropped:
-its rows' KV entries lie past what their sessions hold, and are overwritten.
+The sampling kernels write each step's tokens straight into one of two readback sets of
+mapped host memory (workspace.py), the sets taken in turn, so a step issued ahead never
+writes the set of the step before it; there is a decode graph for each set. Steps are
+waited for through their set's event, never by synchronizing the stream. A step issued
+ahead that the engine does not take (a row finished, new work arrived) is waited for and
+dropped: its rows' KV entries lie past what their sessions hold, and are overwritten.
 """
 
 import time
@@ -67,7 +69,7 @@ class StepExecutor:
         stream: Any,
         launcher: Launcher,
         workspace: Workspace,
-        sample: Callable[[Activation, RowSampling, int], None],
+        sample: Callable[[Activation, RowSampling, int, Readback], None],
         *,
         n_vocab: int,
         max_tokens: int,
@@ -94,8 +96,8 @@ class StepExecutor:
         self.kernel_timer = kernel_timer
         # What else than the batch's shape and sampler a step's launches depend on.
         self._launch_variant = launch_variant
-        # Decode graphs by graph_key.
-        self._graphs: dict[tuple[int, bool, bool, Hashable], StepGraph] = {}
+        # Decode graphs by graph_key, one for each readback set.
+        self._graphs: dict[tuple[int, bool, bool, Hashable], tuple[StepGraph, ...]] = {}
         self._device_state: tuple[bytes, ...] | None = None  # what the step state holds
         self._ahead: IssuedStep | None = None  # a decode step issued ahead, not yet read
         self._readback = 0  # the readback set the next step issued uses
@@ -195,20 +197,21 @@ class StepExecutor:
         if gated:
             self._close_gate()
         launches_before = self.driver.counters.launches  # the step's own, past the gate
+        readback = self._next_readback()
         try:
             self.write_step_state(batch)
             if replay:
-                graph = self._graph(batch, forward)
+                graph = self._graph(batch, forward, readback)
                 replay_timed = self._replay(graph, tracker)
                 kernels = graph.kernels
             else:
                 launcher.timer = self.kernel_timer if timed else None
                 try:
-                    self._issue(batch, forward)
+                    self._issue(batch, forward, readback)
                 finally:
                     launcher.timer = None
                 kernels = self.driver.counters.launches - launches_before
-            step = self._queue_readback(batch, want_logits, kernels)
+            step = self._queue_readback(batch, readback, want_logits, kernels)
         finally:
             launcher.overlap_step = False
             if gated:
@@ -255,11 +258,13 @@ class StepExecutor:
         if not step.batch.next_decode_fits(self.n_ctx):
             return
         batch = step.batch.next_decode(step.batch.tokens)  # tokens: the device's
-        graph = self._graphs.get(self.graph_key(batch))
-        if graph is None:
+        graphs = self._graphs.get(self.graph_key(batch))
+        if graphs is None:
             return
+        readback = self._next_readback()
+        graph = graphs[readback.index]
         graph.replay()
-        self._ahead = self._queue_readback(batch, False, graph.kernels)
+        self._ahead = self._queue_readback(batch, readback, False, graph.kernels)
 
     def _read_back(self, step: IssuedStep, decode_shape: bool) -> StepOutput:
         """A step's output from its readback set (the step has run)."""
@@ -295,15 +300,20 @@ class StepExecutor:
             for r, n in enumerate(counts.tolist())
         )
 
-    def _graph(self, batch: StepBatch, forward: Callable[[StepBatch], Activation]) -> StepGraph:
-        """The decode graph of this batch's graph_key, captured on first use."""
+    def _graph(
+        self, batch: StepBatch, forward: Callable[[StepBatch], Activation], readback: Readback
+    ) -> StepGraph:
+        """The decode graph of this batch's graph_key that samples into `readback`; on first
+        use, that key's graphs of both readback sets are captured (a step issued ahead takes
+        the other set's)."""
         key = self.graph_key(batch)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = StepGraph(self.driver, self.stream)
-            graph.capture(lambda: self._record(batch, forward))
-            self._graphs[key] = graph
-        return graph
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            graphs = tuple(StepGraph(self.driver, self.stream) for _ in self.ws.readbacks)
+            for graph, into in zip(graphs, self.ws.readbacks, strict=True):
+                graph.capture(lambda into=into: self._record(batch, forward, into))
+            self._graphs[key] = graphs
+        return graphs[readback.index]
 
     def _replay(self, graph: StepGraph, tracker: LaunchOverheadTracker | None) -> bool:
         """Replay a decode graph; returns whether the kernel timer timed this replay (read it
@@ -317,25 +327,24 @@ class StepExecutor:
             self.kernel_timer.end_replay()
         return timed
 
-    def _queue_readback(self, batch: StepBatch, want_logits: bool, kernels: int) -> IssuedStep:
-        """Queue the copies of the sampled tokens (alternatives, logits) into the next
-        readback set's pinned memory, and its event after them (the step ran `kernels`)."""
+    def _next_readback(self) -> Readback:
+        """The readback set a step issued now samples into (the sets are taken in turn)."""
         readback = self.ws.readbacks[self._readback]
         self._readback ^= 1
+        return readback
+
+    def _queue_readback(
+        self, batch: StepBatch, readback: Readback, want_logits: bool, kernels: int
+    ) -> IssuedStep:
+        """Queue the logits' copy into pinned memory when asked for, and `readback`'s event
+        after the step (which ran `kernels` and sampled into `readback`)."""
         rows = len(batch.logit_rows)
         top = int(batch.sampling.params["logprobs"].max(initial=0))
-        copy, stream, ws = self.driver.copy_dtoh, self.stream, self.ws
-        if rows:
-            copy(readback.tokens, ws.sampled, stream, nbytes=rows * 4)
-            copy(readback.logprobs, ws.sampled_logprob, stream, nbytes=rows * 4)
-        if rows and top:
-            nbytes = rows * SAMPLE_MAX_TOP * 4
-            copy(readback.top_tokens, ws.top_tokens, stream, nbytes=nbytes)
-            copy(readback.top_logprobs, ws.top_logprobs, stream, nbytes=nbytes)
         if rows and want_logits:
+            ws = self.ws
             nbytes = rows * self.n_vocab * 4
-            copy(ws.logits_host, ws.logits, stream, nbytes=nbytes)
-        readback.done.record(stream)
+            self.driver.copy_dtoh(ws.logits_host, ws.logits, self.stream, nbytes=nbytes)
+        readback.done.record(self.stream)
         return IssuedStep(batch, readback, top, want_logits, kernels)
 
     def _close_gate(self) -> None:
@@ -343,20 +352,21 @@ class StepExecutor:
         gate = self.ws.gate
         gate.view(np.uint32, 1)[0] = 0
         self.launcher.launch(
-            ("gate",), "rf_hold", (1, 1, 1), (1, 1, 1), (gate.ptr, 1, GATE_MAX_NAPS)
+            ("gate",), "rf_hold", (1, 1, 1), (1, 1, 1), (gate.device_ptr, 1, GATE_MAX_NAPS)
         )
 
-    def _issue(self, batch: StepBatch, forward: Callable[[StepBatch], Activation]) -> None:
-        """Issue the forward and the sampler."""
-        self._sample(
-            forward(batch), batch.sampling, int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
-        )
+    def _issue(
+        self, batch: StepBatch, forward: Callable[[StepBatch], Activation], readback: Readback
+    ) -> None:
+        """Issue the forward and the sampler, which samples into `readback`."""
+        first_row = int(batch.logit_rows[0]) if len(batch.logit_rows) else 0
+        self._sample(forward(batch), batch.sampling, first_row, readback)
 
     def _record(
-        self, batch: StepBatch, forward: Callable[[StepBatch], Activation]
+        self, batch: StepBatch, forward: Callable[[StepBatch], Activation], readback: Readback
     ) -> list[LaunchHandle]:
         """Issue the step, returning every handle launched (for capture)."""
-        return self.launcher.record(lambda: self._issue(batch, forward))
+        return self.launcher.record(lambda: self._issue(batch, forward, readback))
 
     # --- runtime statistics --------------------------------------------------------------
     def runtime_stats(self) -> dict[str, object]:

@@ -222,6 +222,7 @@ class HipDriver(Driver):
         "alloc": "hipMalloc",
         "free": "hipFree",
         "host_alloc": "hipHostMalloc",
+        "host_device_pointer": "hipHostGetDevicePointer",
         "host_free": "hipHostFree",
         "copy_htod": "hipMemcpyHtoD",
         "copy_htod_async": "hipMemcpyHtoDAsync",
@@ -262,6 +263,7 @@ class HipDriver(Driver):
             stream_flags=hip.hipStreamDefault,
             event_no_timing_flags=hip.hipEventDisableTiming,
             host_alloc_flags=hip.hipHostMallocDefault,
+            mapped_host_alloc_flags=hip.hipHostMallocMapped,
             capture_mode=hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal,
         )
 

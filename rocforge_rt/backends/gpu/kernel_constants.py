@@ -60,7 +60,7 @@ SAMPLE_PENALTY_WINDOW = PENALTY_WINDOW  # recent tokens a row's penalties count 
 # Sizes of the kernels' own records in device buffers (tests/test_kernel_abi.py parses
 # the structs); the host sizes buffers from them but passes none to a compile.
 ARGMAX_PART_BYTES = 12  # rf_argmax_part: (max, index, sum) per slice
-ROW_STATS_BYTES = 8  # rf_row_stats: (max, log of the sum of exp) per logits row
+ROW_STATS_BYTES = 12  # rf_row_stats: (max, log of the sum of exp, argmax) per logits row
 
 
 KERNEL_DEFINES: dict[str, int | str] = {

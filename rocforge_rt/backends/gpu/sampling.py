@@ -13,7 +13,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     SAMPLE_THREADS,
 )
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.workspace import Activation, Workspace
+from rocforge_rt.backends.gpu.workspace import Activation, Readback, Workspace
 from rocforge_rt.step.sampling import RowSampling
 
 
@@ -24,8 +24,11 @@ class Sampling:
         self._launch = launcher.launch
         self.ws = workspace
 
-    def __call__(self, logits: Activation, sampling: RowSampling, first_row: int) -> None:
-        """Each logits row's token into `sampled` and the step state (token, position + 1).
+    def __call__(
+        self, logits: Activation, sampling: RowSampling, first_row: int, readback: Readback
+    ) -> None:
+        """Each logits row's token (its log-probability, the alternatives asked for) into
+        `readback` and the step state (token, position + 1).
 
         `first_row` is the batch row of logits row 0 (whose position keys the draw).
         """
@@ -50,7 +53,7 @@ class Sampling:
                 ),
             )
         self._launch(
-            ("argmax", logits.rows),
+            ("argmax", logits.rows, readback.index, drawn),  # its `advance` argument differs
             "rf_argmax_advance",
             (ws.argmax_slices, logits.rows, 1),
             (ARGMAX_THREADS, 1, 1),
@@ -59,8 +62,8 @@ class Sampling:
                 logits.width,
                 ws.step_tokens.ptr,
                 ws.step_positions.ptr,
-                ws.sampled.ptr,
-                ws.sampled_logprob.ptr,
+                readback.tokens.device_ptr,
+                readback.logprobs.device_ptr,
                 ws.row_stats.ptr,
                 ws.argmax_partial.ptr,
                 ws.argmax_counters.ptr,
@@ -80,7 +83,7 @@ class Sampling:
                 common + candidates,
             )
         self._launch(
-            ("sample", logits.rows),
+            ("sample", logits.rows, readback.index),
             "rf_sample_advance",
             (logits.rows, 1, 1),
             (SAMPLE_THREADS, 1, 1),
@@ -91,9 +94,9 @@ class Sampling:
                 *candidates,
                 ws.step_tokens.ptr,
                 ws.step_positions.ptr,
-                ws.sampled.ptr,
-                ws.sampled_logprob.ptr,
-                ws.top_tokens.ptr,
-                ws.top_logprobs.ptr,
+                readback.tokens.device_ptr,
+                readback.logprobs.device_ptr,
+                readback.top_tokens.device_ptr,
+                readback.top_logprobs.device_ptr,
             ),
         )
