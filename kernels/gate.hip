@@ -4,7 +4,7 @@
 // step's kernels run back to back as the device allows and the events between them
 // time the kernels, not the host's launch pace.
 //
-// flag     page-locked host memory, readable by the device (unified addressing)
+// flag     page-locked host memory mapped into the device (its device pointer)
 // target   rf_hold returns once *flag >= target
 // max_naps polls before giving up (each after a few microseconds' sleep), so a host
 //          that never opens the gate cannot hold the device forever
