@@ -353,7 +353,7 @@ def test_each_step_samples_into_its_readback_set_and_only_logits_are_copied_back
         step(True, ahead=False)
         assert [dst for dst, *_ in copies] == [gpu.workspace.logits_host]
         types = signatures()["rf_argmax_advance"]
-        layout = "<" + "".join({"ptr": "Q", "i32": "i", "u32": "I", "f32": "f"}[t] for t in types)
+        layout = "<" + "".join(ARG_TYPES[t] for t in types)  # the fake packs them unpadded
         sampled_into = [  # the arguments: logits, n_vocab, tokens, positions, sampled, ...
             struct.unpack(layout, args)[4]
             for _, kernel, args in gpu.driver.log
