@@ -154,11 +154,11 @@ class PinnedBuffer:
 
     __slots__ = ("_bytes", "_driver", "device_ptr", "nbytes", "ptr")
 
-    def __init__(self, driver: Driver, ptr: int, nbytes: int, device_ptr: int = 0) -> None:
+    def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
         self._driver = driver
         self.ptr = ptr
         self.nbytes = nbytes
-        self.device_ptr = device_ptr
+        self.device_ptr = 0  # Driver.alloc_pinned sets it once the memory is owned
         self._bytes = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
     def view(self, dtype: Any, shape: int | tuple[int, ...]) -> np.ndarray:
