@@ -19,7 +19,8 @@
 //   advance    1: write tokens and positions; 0: leave that to rf_sample_advance
 //   Ties go to the lowest index, as numpy's argmax. Each block takes a contiguous slice
 //   of a row's vocabulary (its maximum, the maximum's index and the sum of exp(x - max)
-//   over the slice); the last block of the row to finish combines the slices in order.
+//   over the slice); the last block of the row to finish combines the slices, its threads
+//   reading them at once and their sums added in slice order.
 //   Launch: grid (n_slices, n_rows), block RF_ARGMAX_THREADS.
 #include "rf_portability.h"
 #include "rf_constants.h"
@@ -50,6 +51,27 @@ RF_DEVICE_INLINE void rf_better(float& best, int& index, float v, int i) {
     }
 }
 
+// The block's best (value, index) of every thread's, in every thread: rf_better's order, so
+// the same whichever thread held which. Ends with a barrier; s_best and s_index are the
+// block's scratch.
+RF_DEVICE_INLINE void rf_block_better(float& best, int& index, float* s_best, int* s_index) {
+    for (int offset = RF_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        rf_better(best, index, rf_shfl_xor(best, offset), rf_shfl_xor(index, offset));
+    }
+    const int warp = threadIdx.x / RF_WARP_SIZE, lane = threadIdx.x % RF_WARP_SIZE;
+    if (lane == 0) {
+        s_best[warp] = best;
+        s_index[warp] = index;
+    }
+    __syncthreads();
+    best = s_best[0];
+    index = s_index[0];
+    for (int w = 1; w < RF_ARGMAX_WARPS; ++w) {
+        rf_better(best, index, s_best[w], s_index[w]);
+    }
+    __syncthreads();  // read before the scratch is written again
+}
+
 RF_KERNEL_BOUNDS(RF_ARGMAX_THREADS)
 void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF_RESTRICT tokens,
                        int32_t* RF_RESTRICT positions, int32_t* RF_RESTRICT sampled,
@@ -59,6 +81,7 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
     __shared__ float s_best[RF_ARGMAX_WARPS];
     __shared__ int s_index[RF_ARGMAX_WARPS];
     __shared__ float s_sum[RF_ARGMAX_WARPS];
+    __shared__ float s_terms[RF_ARGMAX_THREADS];
     __shared__ bool s_last;
     rf_pdl_begin();
     const int slice = blockIdx.x, row = blockIdx.y, n_slices = gridDim.x;
@@ -72,19 +95,7 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
     for (int i = first + threadIdx.x; i < last; i += RF_ARGMAX_THREADS) {
         rf_better(best, index, x[i], i);
     }
-    for (int offset = RF_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        rf_better(best, index, rf_shfl_xor(best, offset), rf_shfl_xor(index, offset));
-    }
-    if (lane == 0) {
-        s_best[warp] = best;
-        s_index[warp] = index;
-    }
-    __syncthreads();
-    best = s_best[0];
-    index = s_index[0];
-    for (int w = 1; w < RF_ARGMAX_WARPS; ++w) {
-        rf_better(best, index, s_best[w], s_index[w]);
-    }
+    rf_block_better(best, index, s_best, s_index);
     float sum = 0.0f;
     for (int i = first + threadIdx.x; i < last; i += RF_ARGMAX_THREADS) {
         sum += expf(x[i] - best);
@@ -111,19 +122,33 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
         }
     }
     __syncthreads();
-    if (!s_last || threadIdx.x != 0) {
+    if (!s_last) {
         return;
     }
+    // The row's last block to finish combines its slices: each thread reads slices t,
+    // t + RF_ARGMAX_THREADS, ... at once; their terms are summed in slice order.
     __threadfence();
     const volatile rf_argmax_part* seen = parts;
     float row_best = -RF_INFINITY;
     int row_index = 0x7fffffff;
-    for (int s = 0; s < n_slices; ++s) {
+    for (int s = threadIdx.x; s < n_slices; s += RF_ARGMAX_THREADS) {
         rf_better(row_best, row_index, seen[s].max, seen[s].index);
     }
-    float total = 0.0f;
-    for (int s = 0; s < n_slices; ++s) {
-        total += seen[s].sum * expf(seen[s].max - row_best);
+    rf_block_better(row_best, row_index, s_best, s_index);
+    float total = 0.0f;  // thread 0's
+    for (int base = 0; base < n_slices; base += RF_ARGMAX_THREADS) {
+        const int s = base + threadIdx.x;
+        s_terms[threadIdx.x] = s < n_slices ? seen[s].sum * expf(seen[s].max - row_best) : 0.0f;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < min(RF_ARGMAX_THREADS, n_slices - base); ++i) {
+                total += s_terms[i];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) {
+        return;
     }
     const float log_sum = logf(total);
     stats[row].max = row_best;
@@ -141,10 +166,11 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 // ---------------------------------------------------------------------------------------
 // The sampler, in two kernels after rf_argmax_advance (advance = 0):
 //
-// rf_sample_candidates: each block takes RF_SAMPLE_SLICE consecutive ids of a row, sorts
-//   their rank keys in shared memory (bitonic) and writes its RF_SAMPLE_CANDIDATES best,
-//   and the slice's total weight (integers; see below). The best RF_SAMPLE_CANDIDATES
-//   tokens of the row are then among the slices' candidates.
+// rf_sample_candidates: each block takes RF_SAMPLE_SLICE consecutive ids of a row and
+//   writes the RF_SAMPLE_CANDIDATES best of their rank keys (a radix select, in no
+//   particular order), and the slice's total weight (integers; see below). The best
+//   RF_SAMPLE_CANDIDATES tokens of the row are then among the slices' candidates, which
+//   rf_sample_advance selects from again and sorts.
 //   cand    uint64 [n_rows, n_slices, RF_SAMPLE_CANDIDATES]; slice_sums uint64 [n_rows, n_slices]
 //   Launch: grid (n_slices, n_rows), block RF_SAMPLE_THREADS; n_slices = ceil(n_vocab /
 //   RF_SAMPLE_SLICE) <= RF_SAMPLE_SLICE / RF_SAMPLE_CANDIDATES (the merged candidates fit
@@ -198,6 +224,17 @@ struct rf_sample_entry {
     int spare;
 };
 
+// rf_block_top's shared memory.
+#define RF_TOP_BINS 256
+static_assert(RF_SAMPLE_SLICE % RF_SAMPLE_THREADS == 0, "keys a thread: a whole number");
+struct rf_top_scratch {
+    uint32_t hist[RF_TOP_BINS];
+    int bin;    // the pass's byte
+    int want;   // how many of the keys with the bytes chosen so far are among the k largest
+    int whole;  // 1: all of them are (the select is done)
+    int count;  // keys placed in out
+};
+
 struct rf_sample_shared {
     union {
         struct {
@@ -205,7 +242,7 @@ struct rf_sample_shared {
             uint32_t count[RF_SAMPLE_BINS];   // per bin: elements
         } hist;
         rf_sample_entry list[RF_SAMPLE_LIST];
-        uint64_t keys[RF_SAMPLE_SLICE];  // the slices' candidates, being merged
+        rf_top_scratch top;  // the select of the row's best among the slices' candidates
     } u;
     uint64_t best[RF_SAMPLE_CANDIDATES];  // the row's best rank keys, best first
     short by_rank[RF_SAMPLE_LIST];        // list entry at each rank (key order, or id order)
@@ -300,20 +337,91 @@ RF_DEVICE_INLINE uint64_t rf_block_scan_u64(uint64_t v, uint64_t& total, uint64_
     return before + inclusive - v;
 }
 
-// Sort n (a power of two) keys in shared memory, largest first. Every thread calls it.
-RF_DEVICE_INLINE void rf_bitonic_sort_desc(uint64_t* keys, int n) {
-    for (int size = 2; size <= n; size <<= 1) {
-        for (int stride = size / 2; stride > 0; stride >>= 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < n / 2; i += RF_SAMPLE_THREADS) {
-                const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
-                const uint64_t a = keys[lo], b = keys[hi];
-                if ((a < b) == ((lo & size) == 0)) {
-                    keys[lo] = b;
-                    keys[hi] = a;
-                }
+// The k largest of the block's keys (R a thread; several may be equal, as the zeros that
+// pad) into out[0..k), in no particular order: an MSB-first radix select, a byte a pass.
+// A pass counts the keys that share the bytes chosen so far by their next byte, and keeps
+// the byte whose keys hold the k-th largest; it stops once all of that byte's keys are
+// among the k. Every thread calls it; k <= R * RF_SAMPLE_THREADS.
+template <int R>
+RF_DEVICE_INLINE void rf_block_top(const uint64_t (&keys)[R], int k, uint64_t* out,
+                                   rf_top_scratch& t) {
+    uint64_t prefix = 0, mask = 0;  // the bytes chosen so far, and where they sit
+    int want = k;
+    bool whole = false;
+    for (int shift = 56; shift >= 0 && !whole; shift -= 8) {
+        for (int i = threadIdx.x; i < RF_TOP_BINS; i += RF_SAMPLE_THREADS) {
+            t.hist[i] = 0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if ((keys[r] & mask) == prefix) {
+                atomicAdd(&t.hist[(int)(keys[r] >> shift) & (RF_TOP_BINS - 1)], 1u);
             }
         }
+        __syncthreads();
+        if (threadIdx.x < RF_WARP_SIZE) {  // the first warp walks the bins from the top
+            constexpr int PER_LANE = RF_TOP_BINS / RF_WARP_SIZE;
+            const int top = RF_TOP_BINS - 1 - PER_LANE * (int)threadIdx.x;  // this lane's first
+            uint64_t mine = 0;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                mine += t.hist[top - j];
+            }
+            uint64_t above = rf_warp_scan_u64(mine) - mine;  // in the bins above this lane's
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                const uint32_t c = t.hist[top - j];
+                if (above < (uint64_t)want && above + c >= (uint64_t)want) {
+                    t.bin = top - j;
+                    t.want = want - (int)above;
+                    t.whole = above + c == (uint64_t)want;
+                }
+                above += c;
+            }
+        }
+        __syncthreads();
+        prefix |= (uint64_t)t.bin << shift;
+        mask |= (uint64_t)(RF_TOP_BINS - 1) << shift;
+        want = t.want;
+        whole = t.whole != 0;
+    }
+    if (threadIdx.x == 0) {
+        t.count = 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const uint64_t high = keys[r] & mask;
+        if (high > prefix || (whole && high == prefix)) {
+            out[atomicAdd(&t.count, 1)] = keys[r];
+        }
+    }
+    __syncthreads();
+    if (!whole) {  // every byte chosen: the keys equal to prefix are copies of one value
+        for (int i = t.count + (int)threadIdx.x; i < k; i += RF_SAMPLE_THREADS) {
+            out[i] = prefix;
+        }
+    }
+    __syncthreads();
+}
+
+// Sort n <= RF_SAMPLE_THREADS keys in shared memory, largest first (equal keys keep their
+// order). Every thread calls it.
+RF_DEVICE_INLINE void rf_sort_desc(uint64_t* keys, int n) {
+    const int tid = threadIdx.x;
+    uint64_t key = 0;
+    int rank = 0;
+    if (tid < n) {
+        key = keys[tid];
+        for (int j = 0; j < n; ++j) {
+            const uint64_t other = keys[j];
+            rank += other > key || (other == key && j < tid);
+        }
+    }
+    __syncthreads();
+    if (tid < n) {
+        keys[rank] = key;
     }
     __syncthreads();
 }
@@ -327,7 +435,7 @@ void rf_sample_candidates(const float* RF_RESTRICT logits, int n_vocab,
                           const rf_sample_params* RF_RESTRICT params,
                           const rf_row_stats* RF_RESTRICT stats, uint64_t* RF_RESTRICT cand,
                           uint64_t* RF_RESTRICT slice_sums) {
-    __shared__ uint64_t s_keys[RF_SAMPLE_SLICE];
+    __shared__ rf_top_scratch s_top;
     __shared__ uint64_t s_warp_sums[RF_SAMPLE_WARPS];
     rf_pdl_begin();
     const int slice = blockIdx.x, row = blockIdx.y, n_slices = gridDim.x;
@@ -340,23 +448,21 @@ void rf_sample_candidates(const float* RF_RESTRICT logits, int n_vocab,
     const float row_max = stats[row].max;
     const int first = slice * RF_SAMPLE_SLICE;
     uint64_t mine = 0;
-    for (int i = threadIdx.x; i < RF_SAMPLE_SLICE; i += RF_SAMPLE_THREADS) {
-        const int id = first + i;
-        uint64_t key = 0;
+    uint64_t keys[RF_SAMPLE_SLICE / RF_SAMPLE_THREADS];
+#pragma unroll
+    for (int r = 0; r < RF_SAMPLE_SLICE / RF_SAMPLE_THREADS; ++r) {
+        const int id = first + (int)threadIdx.x + r * RF_SAMPLE_THREADS;
+        keys[r] = 0;
         if (id < n_vocab) {
             const float v = x[id];
-            key = rf_rank_key(v, id);
+            keys[r] = rf_rank_key(v, id);
             mine += greedy ? 0 : rf_sample_weight(v, row_max, p.temperature, p.min_p);
         }
-        s_keys[i] = key;
     }
     uint64_t total;
     rf_block_scan_u64(mine, total, s_warp_sums);
-    rf_bitonic_sort_desc(s_keys, RF_SAMPLE_SLICE);
-    uint64_t* out = cand + ((int64_t)row * n_slices + slice) * RF_SAMPLE_CANDIDATES;
-    for (int i = threadIdx.x; i < RF_SAMPLE_CANDIDATES; i += RF_SAMPLE_THREADS) {
-        out[i] = s_keys[i];
-    }
+    rf_block_top(keys, RF_SAMPLE_CANDIDATES,
+                 cand + ((int64_t)row * n_slices + slice) * RF_SAMPLE_CANDIDATES, s_top);
     if (threadIdx.x == 0) {
         slice_sums[(int64_t)row * n_slices + slice] = total;
     }
@@ -712,21 +818,17 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
     // The row's best candidates, merged from the slices' (best first).
     int n_best = 0;
     if (n_slices > 0 && !(greedy && p.logprobs == 0)) {
-        const int n = n_slices * RF_SAMPLE_CANDIDATES;
-        int padded = RF_SAMPLE_CANDIDATES;
-        while (padded < n) {
-            padded <<= 1;
-        }
+        const int n = n_slices * RF_SAMPLE_CANDIDATES;  // at most RF_SAMPLE_SLICE
         const uint64_t* mine = cand + (int64_t)row * n;
-        for (int i = tid; i < padded; i += RF_SAMPLE_THREADS) {
-            s.u.keys[i] = i < n ? mine[i] : 0;
+        uint64_t keys[RF_SAMPLE_SLICE / RF_SAMPLE_THREADS];
+#pragma unroll
+        for (int r = 0; r < RF_SAMPLE_SLICE / RF_SAMPLE_THREADS; ++r) {
+            const int i = tid + r * RF_SAMPLE_THREADS;
+            keys[r] = i < n ? mine[i] : 0;
         }
-        rf_bitonic_sort_desc(s.u.keys, padded);
+        rf_block_top(keys, RF_SAMPLE_CANDIDATES, s.best, s.u.top);
+        rf_sort_desc(s.best, RF_SAMPLE_CANDIDATES);
         n_best = min(RF_SAMPLE_CANDIDATES, n_vocab);
-        for (int i = tid; i < n_best; i += RF_SAMPLE_THREADS) {
-            s.best[i] = s.u.keys[i];
-        }
-        __syncthreads();
     }
 
     const int n_top = min(p.logprobs, min(n_vocab, RF_SAMPLE_MAX_TOP));

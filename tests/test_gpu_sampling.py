@@ -52,7 +52,8 @@ def sampler_logits(rng: np.random.Generator, n_vocab: int, kind: str) -> np.ndar
     return x
 
 
-@pytest.mark.parametrize("n_vocab", [1000, 49152, 128256, 270000])
+# 600000: more argmax slices than the combining block has threads (ARGMAX_SLICE, ARGMAX_THREADS).
+@pytest.mark.parametrize("n_vocab", [1000, 49152, 128256, 270000, 600000])
 @pytest.mark.parametrize("kind", ["spread", "peaked", "ties"])
 def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
     gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=64,
