@@ -14,7 +14,7 @@ over its rounds' averages), and the ratios are printed. Results go to --out as J
 A/B of kernel changes in one run, the trees' engines timed in turn each round);
 --matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
 attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
-gemv_max_blocks_per_sm=2; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1);
+gemv_max_blocks_per_sm=4; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1);
 --attention-lever likewise for its Attention (e.g. quantize_out=0).
 """
 
@@ -33,6 +33,7 @@ import numpy as np
 from rocforge_rt.backends import resolve_backend_name
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.workloads import (
+    BENCH_SAMPLING,
     LlamaBenchError,
     LlamaBenchRun,
     decode_tokens_per_s,
@@ -41,13 +42,11 @@ from rocforge_rt.engine.workloads import (
     prompt_tokens_per_s,
     set_levers,
 )
-from rocforge_rt.step.sampling import SamplingParams
 
 MODES = ("per-kernel-sync", "deferred", "graph")
+
+
 # A typical chat setting, for the sampled decode figure (the device sampler's cost).
-SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
-
-
 def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator, depth: int) -> dict:
     """Launches, kernels and syncs per decode step at `depth` from the backend's counters
     (GPU backends)."""
@@ -105,7 +104,7 @@ class ModeBench:
         self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
         engine, rng = self.engine, self.rng
         decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
-        decode_tokens_per_s(engine, 8, rng, SAMPLED)  # ... and the sampling step's graph
+        decode_tokens_per_s(engine, 8, rng, BENCH_SAMPLING)  # ... and the sampling step's graph
         prompt_tokens_per_s(engine, args.n_prompt, rng)  # the prompt's launch handles, too
 
     def round(self) -> None:
@@ -117,7 +116,7 @@ class ModeBench:
             )
         for _ in range(args.repeats):
             self.runs["decode_sampled"].append(
-                decode_tokens_per_s(engine, args.n_decode, rng, SAMPLED, depth=args.depth)
+                decode_tokens_per_s(engine, args.n_decode, rng, BENCH_SAMPLING, depth=args.depth)
             )
         for _ in range(args.repeats):
             self.runs["prompt"].append(prompt_tokens_per_s(engine, args.n_prompt, rng))

@@ -61,6 +61,7 @@ from rocforge_rt.backends.gpu.matmul import (
     repack_rows,
 )
 from rocforge_rt.backends.gpu.workspace import Activation
+from rocforge_rt.engine.workloads import lever_settings, set_levers
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.model.synthetic import random_blocks
@@ -370,6 +371,11 @@ def main() -> int:
         "with, beside the backend's own (0: the weights through registers)",
     )  # fmt: skip
     parser.add_argument("--auto-only", action="store_true", help="time `auto` alone, no sweep")
+    parser.add_argument(
+        "--matmul-lever", type=lever_settings, default=(), metavar="ATTR=VALUE[,ATTR=VALUE...]",
+        help="set these numeric attributes of the backend's Matmul (its launch heuristics and "
+        "levers, e.g. gemv_max_blocks_per_sm=1) before timing `auto`",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/gemv.json"))
     args = parser.parse_args()
 
@@ -383,11 +389,15 @@ def main() -> int:
     backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8, mode="deferred")
     # Launches overlap their predecessors' tails, as in a decode step (where supported).
     backend.launcher.overlap_step = driver.supports_overlap
+    try:
+        levers = set_levers(backend, "matmul", args.matmul_lever)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     Bench.compiler = compiler
     bench = Bench(driver, backend, args.baseline)
     bench.bulk_budgets = [int(kib) << 10 for kib in args.bulk_shared.split(",")]
     bench.sweep = not args.auto_only
-    print(f"device: {driver.info.name}, {driver.info.multiprocessors} SMs", flush=True)
+    print(f"device: {driver.info.name}, {driver.info.multiprocessors} SMs{levers}", flush=True)
     rng = np.random.default_rng(0)
     results = []
     for group in args.shapes.split(","):
@@ -416,7 +426,9 @@ def main() -> int:
             line += f" | ERR>1e-3: {bad}"
         print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": driver.info.name, "results": results}, indent=1))
+    report = {"device": driver.info.name, "matmul_levers": dict(args.matmul_lever),
+              "results": results}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -6,7 +6,8 @@ cannot show what programmatic dependent launch hides: a kernel starts while its
 predecessor still runs and waits for it inside. This script records the GPU's own
 timeline instead (CUPTI, through PyTorch's profiler: a developer tool for GPU machines
 that have PyTorch; the runtime does not use it) for --steps batch-1 decode steps after a
---depth-token prompt, in graph mode with pipelined decode, and gives per kernel name:
+--depth-token prompt, in graph mode with pipelined decode (greedy, or with --sampled drawn as
+bench_decode's sampled decode), and gives per kernel name:
 
   - launches a step;
   - its span: first block's start to last block's end (under overlap this includes the
@@ -35,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import decode_tokens_per_s
+from rocforge_rt.engine.workloads import BENCH_SAMPLING, decode_tokens_per_s
+from rocforge_rt.step.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,9 @@ def critical_path(steps: list[list[KernelSpan]]) -> dict[str, object]:
     return {"steps": n, "step_us": statistics.median(step_us) if steps else 0.0, "kernels": kernels}
 
 
-def cupti_kernels(engine: Engine, n_decode: int, depth: int) -> tuple[list[KernelSpan], float]:
+def cupti_kernels(
+    engine: Engine, n_decode: int, depth: int, sampling: SamplingParams
+) -> tuple[list[KernelSpan], float]:
     """The GPU kernels of `n_decode` decode steps after a `depth`-token prompt (and of its
     prefill), with the decode tokens/s measured meanwhile."""
     try:
@@ -104,9 +108,9 @@ def cupti_kernels(engine: Engine, n_decode: int, depth: int) -> tuple[list[Kerne
         raise SystemExit("error: the timeline is read through PyTorch's profiler (CUPTI): "
                          "install torch on this GPU machine") from None  # fmt: skip
     rng = np.random.default_rng(0)
-    decode_tokens_per_s(engine, 8, rng, depth=depth)  # warm-up: compile, capture
+    decode_tokens_per_s(engine, 8, rng, sampling, depth=depth)  # warm-up: compile, capture
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tokens_per_s = decode_tokens_per_s(engine, n_decode, rng, depth=depth)
+        tokens_per_s = decode_tokens_per_s(engine, n_decode, rng, sampling, depth=depth)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -124,13 +128,20 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("--depth", type=int, default=0, help="prompt tokens before the decode")
     parser.add_argument("--steps", type=int, default=24, help="decode steps profiled")
+    parser.add_argument(
+        "--sampled", action="store_true",
+        help="draw each token (the benchmarks' sampled decode: workloads.BENCH_SAMPLING) "
+        "instead of greedy decode",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     engine = Engine.load(
         args.model, backend="cuda", n_ctx=max(args.depth, 1) + args.steps + 16, mode="graph"
     )
-    spans, tokens_per_s = cupti_kernels(engine, args.steps, args.depth)
-    result = {"model": args.model, "depth": args.depth, "tokens_per_s_profiled": tokens_per_s}
+    sampling = BENCH_SAMPLING if args.sampled else SamplingParams()
+    spans, tokens_per_s = cupti_kernels(engine, args.steps, args.depth, sampling)
+    result = {"model": args.model, "depth": args.depth, "sampled": args.sampled,
+              "tokens_per_s_profiled": tokens_per_s}  # fmt: skip
     result |= critical_path(decode_steps(spans))
     print(f"depth {args.depth}: {result['steps']} steps, {result['step_us']:.1f} us a step "
           f"({tokens_per_s:.1f} tok/s under the profiler)")  # fmt: skip

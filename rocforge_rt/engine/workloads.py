@@ -24,6 +24,10 @@ import numpy as np
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.sampling import SamplingParams
 
+# The sampled decode the benchmarks time beside greedy decode (bench_decode's
+# "decode_sampled", decode_timeline --sampled): a drawn token under common cuts.
+BENCH_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
+
 
 def decode_tokens_per_s(
     engine: Engine,
