@@ -71,14 +71,18 @@ GEMV_ROWS_PER_WARP = {
 }
 GEMV_MULTI_ROW_NO = {"": 1, "_swiglu": 1, "_rope": 2}
 GEMV_MIN_BLOCKS_PER_SM = 1  # widest row groups that still give every multiprocessor a block
-GEMV_MAX_BLOCKS_PER_SM = 4  # grid cap: warps stride over the rest (fewer prologues; 8 measured
-# 0.6-0.8% slower in 1B and 8B decode on an H100)
+# Grid cap of the one-row GEMVs: warps stride over the rest (fewer prologues). Decode A/B
+# against 4 (H200, two runs each; docs/bench/decode-20261128g/cap*.json): the 8B shape +1.9%
+# and +1.6% (its gate|up GEMV 264 blocks instead of 528), the SmolLM2 shape +1.9% (its LM
+# head), the 1B shape +0.1% and -0.3%, at depth 4096 +0.4%; 3 gave -0.3% on the 8B shape,
+# 1 lost 27% (too few loads in flight). An H100 once measured 8 0.6-0.8% slower than 4.
+GEMV_MAX_BLOCKS_PER_SM = 2
 # A GEMV whose grid has fewer blocks than this many a multiprocessor lets its successor
 # launch right after its own wait, not at its end (kernels/gemv.hip, release_early). Every
 # one-row GEMV kernel fits two blocks a multiprocessor at once (registers), so such a grid
-# runs in one wave: the successor's blocks, waiting, take only room it leaves. Larger grids
-# (the gate|up and LM head GEMVs at up to GEMV_MAX_BLOCKS_PER_SM) would have their own
-# later blocks queue behind them. Decode A/B (H200, three runs; from 1 to 2): SmolLM2
+# runs in one wave: the successor's blocks, waiting, take only room it leaves. A grid at
+# the cap (GEMV_MAX_BLOCKS_PER_SM: the gate|up and LM head GEMVs) fills the device and
+# keeps its release at its end. Decode A/B (H200, three runs; from 1 to 2): SmolLM2
 # +1.3% to +3.7%, 1B +0.5% to +1.4%, 8B +4.0% to +4.6% (README.md, "Single-stream decode").
 GEMV_EARLY_RELEASE_BLOCKS_PER_SM = 2
 # From this many columns a one-row GEMV's activation is quantized once, by
