@@ -46,7 +46,6 @@ from rocforge_rt.engine.workloads import (
 MODES = ("per-kernel-sync", "deferred", "graph")
 
 
-# A typical chat setting, for the sampled decode figure (the device sampler's cost).
 def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator, depth: int) -> dict:
     """Launches, kernels and syncs per decode step at `depth` from the backend's counters
     (GPU backends)."""

@@ -330,7 +330,7 @@ class StepExecutor:
     def _next_readback(self) -> Readback:
         """The readback set a step issued now samples into (the sets are taken in turn)."""
         readback = self.ws.readbacks[self._readback]
-        self._readback ^= 1
+        self._readback = (self._readback + 1) % len(self.ws.readbacks)
         return readback
 
     def _queue_readback(
