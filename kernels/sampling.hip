@@ -221,7 +221,7 @@ struct rf_sample_entry {
     uint64_t key;
     uint64_t weight;
     int id;
-    int spare;
+    int id_rank;  // rf_draw_in_list's: the entry's rank by id among those kept
 };
 
 // rf_block_top's shared memory.
@@ -406,21 +406,42 @@ RF_DEVICE_INLINE void rf_block_top(const uint64_t (&keys)[R], int k, uint64_t* o
     __syncthreads();
 }
 
-// Sort n <= RF_SAMPLE_THREADS keys in shared memory, largest first (equal keys keep their
-// order). Every thread calls it.
-RF_DEVICE_INLINE void rf_sort_desc(uint64_t* keys, int n) {
-    const int tid = threadIdx.x;
-    uint64_t key = 0;
+// Ranks are counted by groups of RF_RANK_LANES threads, one entry a group (its lanes take
+// every RF_RANK_LANES-th other entry), so RF_RANK_ENTRIES entries at once.
+#define RF_RANK_LANES 16
+#define RF_RANK_ENTRIES (RF_SAMPLE_THREADS / RF_RANK_LANES)
+static_assert(RF_WARP_SIZE % RF_RANK_LANES == 0, "a rank group within one warp");
+static_assert(RF_SAMPLE_CANDIDATES <= RF_RANK_ENTRIES, "rf_sort_desc: one pass");
+static_assert(RF_SAMPLE_LIST <= RF_SAMPLE_THREADS, "a listed entry a thread");
+
+// Entry e's rank among entries [0, n): how many j come before it (before(j)), in every
+// thread of its group (threadIdx.x / RF_RANK_LANES, 0 where e >= n). Every thread calls it.
+template <typename Before>
+RF_DEVICE_INLINE int rf_group_rank(int e, int n, Before before) {
     int rank = 0;
-    if (tid < n) {
-        key = keys[tid];
-        for (int j = 0; j < n; ++j) {
-            const uint64_t other = keys[j];
-            rank += other > key || (other == key && j < tid);
+    if (e < n) {
+        for (int j = (int)threadIdx.x % RF_RANK_LANES; j < n; j += RF_RANK_LANES) {
+            rank += before(j) ? 1 : 0;
         }
     }
+#pragma unroll
+    for (int offset = RF_RANK_LANES / 2; offset > 0; offset >>= 1) {
+        rank += rf_shfl_xor(rank, offset);
+    }
+    return rank;
+}
+
+// Sort n <= RF_RANK_ENTRIES keys in shared memory, largest first (equal keys keep their
+// order). Every thread calls it.
+RF_DEVICE_INLINE void rf_sort_desc(uint64_t* keys, int n) {
+    const int e = (int)threadIdx.x / RF_RANK_LANES;
+    const uint64_t key = e < n ? keys[e] : 0;
+    const int rank = rf_group_rank(e, n, [&](int j) {
+        const uint64_t other = keys[j];
+        return other > key || (other == key && j < e);
+    });
     __syncthreads();
-    if (tid < n) {
+    if (e < n && threadIdx.x % RF_RANK_LANES == 0) {
         keys[rank] = key;
     }
     __syncthreads();
@@ -483,13 +504,13 @@ RF_DEVICE_INLINE uint64_t rf_row_weight(const rf_sample_row& r, float v) {
 
 // Order the first n list entries by key, best first, into s.by_rank (distinct keys).
 RF_DEVICE_INLINE void rf_rank_list(rf_sample_shared& s, int n) {
-    for (int e = threadIdx.x; e < n; e += RF_SAMPLE_THREADS) {
-        const uint64_t key = s.u.list[e].key;
-        int rank = 0;
-        for (int j = 0; j < n; ++j) {
-            rank += s.u.list[j].key > key;
+    for (int first = 0; first < n; first += RF_RANK_ENTRIES) {
+        const int e = first + (int)threadIdx.x / RF_RANK_LANES;
+        const uint64_t key = e < n ? s.u.list[e].key : 0;
+        const int rank = rf_group_rank(e, n, [&](int j) { return s.u.list[j].key > key; });
+        if (e < n && threadIdx.x % RF_RANK_LANES == 0) {
+            s.by_rank[rank] = (short)e;
         }
-        s.by_rank[rank] = (short)e;
     }
     __syncthreads();
 }
@@ -718,13 +739,21 @@ RF_DEVICE_INLINE void rf_draw_in_slices(const rf_sample_row& r, const uint64_t* 
 }
 
 // Cut and draw within the n listed best candidates (a top-k domain, or the best of an
-// uncut row): rank them, keep the ranked prefix reaching ceil(top_p * total) (total:
-// the domain's weight, the list's own when 0), then find the draw in id order among
-// those kept. Returns false, drawing nothing, when the list cannot reach the target.
-RF_DEVICE_INLINE bool rf_draw_in_list(int n, float top_p, uint64_t total, uint64_t bits,
-                                      rf_sample_shared& s) {
+// uncut row): rank them (`in_order`: the list is in key order already, rf_list_best's),
+// keep the ranked prefix reaching ceil(top_p * total) (total: the domain's weight, the
+// list's own when 0), then find the draw in id order among those kept. Returns false,
+// drawing nothing, when the list cannot reach the target.
+RF_DEVICE_INLINE bool rf_draw_in_list(int n, bool in_order, float top_p, uint64_t total,
+                                      uint64_t bits, rf_sample_shared& s) {
     const int tid = threadIdx.x;
-    rf_rank_list(s, n);
+    if (in_order) {
+        for (int e = tid; e < n; e += RF_SAMPLE_THREADS) {
+            s.by_rank[e] = (short)e;
+        }
+        __syncthreads();
+    } else {
+        rf_rank_list(s, n);
+    }
     uint64_t listed;
     const uint64_t weight = tid < n ? s.u.list[s.by_rank[tid]].weight : 0;
     const uint64_t before = rf_block_scan_u64(weight, listed, s.warp_sums);
@@ -743,15 +772,20 @@ RF_DEVICE_INLINE bool rf_draw_in_list(int n, float top_p, uint64_t total, uint64
     } else if (listed < total) {
         return false;
     }
-    // Rank the kept entries by id (rank r in key order is entry by_rank[r]).
-    int id_rank = 0, entry = -1;
-    if (tid < kept) {
-        entry = s.by_rank[tid];
-        const int id = s.u.list[entry].id;
-        for (int j = 0; j < kept; ++j) {
-            id_rank += s.u.list[s.by_rank[j]].id < id;
+    // Rank the kept entries by id (rank r in key order is entry by_rank[r]) into their
+    // id_rank, then rewrite by_rank in id order.
+    for (int first = 0; first < kept; first += RF_RANK_ENTRIES) {
+        const int r = first + tid / RF_RANK_LANES;
+        const int id = r < kept ? s.u.list[s.by_rank[r]].id : 0;
+        const int id_rank =
+            rf_group_rank(r, kept, [&](int j) { return s.u.list[s.by_rank[j]].id < id; });
+        if (r < kept && tid % RF_RANK_LANES == 0) {
+            s.u.list[s.by_rank[r]].id_rank = id_rank;
         }
     }
+    __syncthreads();
+    const int entry = tid < kept ? s.by_rank[tid] : -1;  // kept <= RF_SAMPLE_LIST threads
+    const int id_rank = tid < kept ? s.u.list[entry].id_rank : 0;
     __syncthreads();  // by_rank is rewritten in id order
     if (tid < kept) {
         s.by_rank[id_rank] = (short)entry;
@@ -774,7 +808,7 @@ RF_DEVICE_INLINE void rf_draw_general(const rf_sample_row& r, const rf_sample_pa
     const bool cut = p.top_k > 0 && p.top_k < r.n_vocab;
     const uint64_t floor_key = cut ? rf_select(r, false, 0, (uint64_t)p.top_k, s) : 0;
     if (cut && p.top_k <= RF_SAMPLE_LIST) {
-        rf_draw_in_list(rf_gather(r, floor_key, ~0ull, true, s), p.top_p, 0, bits, s);
+        rf_draw_in_list(rf_gather(r, floor_key, ~0ull, true, s), false, p.top_p, 0, bits, s);
         return;
     }
     uint64_t threshold = floor_key;
@@ -860,13 +894,13 @@ void rf_sample_advance(const float* RF_RESTRICT logits, int n_vocab,
         bool drawn = false;
         if (cut && p.top_k <= n_best) {  // a top-k domain among the candidates
             rf_list_best(r, p.top_k, s);
-            drawn = rf_draw_in_list(p.top_k, p.top_p, 0, bits, s);
+            drawn = rf_draw_in_list(p.top_k, true, p.top_p, 0, bits, s);
         } else if (!cut && n_slices > 0 && p.top_p >= 1.0f) {
             rf_draw_in_slices(r, slice_sums + (int64_t)row * n_slices, n_slices, total, bits, s);
             drawn = true;
         } else if (!cut && n_best > 0) {  // a nucleus inside the best candidates, maybe
             rf_list_best(r, n_best, s);
-            drawn = rf_draw_in_list(n_best, p.top_p, total, bits, s);
+            drawn = rf_draw_in_list(n_best, true, p.top_p, total, bits, s);
         }
         if (!drawn) {
             rf_draw_general(r, p, bits, s);
