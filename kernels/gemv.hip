@@ -491,6 +491,30 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     if (release_early) {
         rf_pdl_launch_dependents();
     }
+    // What lane v < NV's epilogue reads for its row group (RF_EPILOGUE_RESIDUAL: the
+    // residual; RoPE: rf_rope_fetch's), loaded a group ahead (the first group's beside the
+    // prologue's loads), so that no epilogue waits on a load. Not in the kernels of 4 rows
+    // a warp, which sit at the 128-register cap (the 8B shape's Q|K|V GEMV: decode lost
+    // 1.6% with it, README "Single-stream decode").
+    constexpr bool AHEAD = NO <= 2;
+    float res = 0.0f;
+    rf_rope_at rope_at{};
+    auto load_epilogue = [&](int g) {
+        const int row = g * NO + mine_j;
+        if (!AHEAD || lane >= NV || mine_t >= n_rows || row >= n) {
+            return;
+        }
+        if (ROPE) {
+            if (mine_j % 2 == 0) {
+                rope_at = rf_rope_fetch(rope, mine_t, row);
+            }
+        } else if (!SWIGLU && epilogue == RF_EPILOGUE_RESIDUAL) {
+            res = residual[(int64_t)mine_t * n + row];
+        }
+    };
+    if (item.g < n_groups) {
+        load_epilogue(item.g);
+    }
     if (xq != nullptr) {  // quantized once by rf_quantize_q8_gemv, in this layout
         const int pieces = rf_q8_rows_bytes(rows, n_rows) / 16;
         for (int i = threadIdx.x; i < pieces; i += RF_GEMV_THREADS) {
@@ -595,13 +619,19 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
             } else if (ROPE) {  // q, k, v of each (even, odd) pair of rows
                 const float odd = rf_shfl(total, (lane + RCAP) % RF_WARP_SIZE, RF_WARP_SIZE);
                 if (mine && mine_j % 2 == 0) {
-                    rf_rope_store(rope, mine_t, row, total, odd);
+                    rf_rope_store_at(rope, mine_t, row,
+                                     AHEAD ? rope_at : rf_rope_fetch(rope, mine_t, row), total,
+                                     odd);
                 }
             } else if (mine) {
                 const int64_t o = (int64_t)mine_t * n + row;
-                out[o] = epilogue == RF_EPILOGUE_RESIDUAL ? total + residual[o] : total;
+                out[o] = epilogue == RF_EPILOGUE_RESIDUAL ? total + (AHEAD ? res : residual[o])
+                                                          : total;
             }
             total = 0.0f;
+            if (next.g < n_groups) {
+                load_epilogue(next.g);  // rows of one group belong to this warp alone
+            }
         }
         item = next;
         return item.g < n_groups;

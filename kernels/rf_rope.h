@@ -22,20 +22,34 @@ struct rf_rope_out {
     int q_dim, kv_dim, head_dim, rope_dims, n_ctx;
 };
 
-// Store the pair (y0, y1) at elements (e, e + 1) of token t's Q|K|V row (e even).
-RF_DEVICE_INLINE void rf_rope_store(const rf_rope_out& r, int t, int e, float y0, float y1) {
+// What storing a pair of token t's row at element e reads: its position's angle (c, s;
+// 1, 0 for a pair past rope_dims / 2 or outside q and k) and its KV-pool row.
+struct rf_rope_at {
+    float c, s;
+    int64_t cache_row;
+};
+
+RF_DEVICE_INLINE rf_rope_at rf_rope_fetch(const rf_rope_out& r, int t, int e) {
     const int pos = r.positions[t];
-    if (e < r.q_dim + r.kv_dim) {
-        const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
-        if (pair < half) {
-            const float c = r.cos_table[(int64_t)pos * half + pair];
-            const float s = r.sin_table[(int64_t)pos * half + pair];
-            const float even = y0, odd = y1;
-            y0 = fmaf(even, c, -(odd * s));
-            y1 = fmaf(even, s, odd * c);
-        }
+    rf_rope_at at{1.0f, 0.0f, (int64_t)r.slots[t] * r.n_ctx + pos};
+    const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
+    if (e < r.q_dim + r.kv_dim && pair < half) {
+        at.c = r.cos_table[(int64_t)pos * half + pair];
+        at.s = r.sin_table[(int64_t)pos * half + pair];
     }
-    const int64_t cache_row = (int64_t)r.slots[t] * r.n_ctx + pos;
+    return at;
+}
+
+// Store the pair (y0, y1) at elements (e, e + 1) of token t's Q|K|V row (e even), `at`
+// being rf_rope_fetch(r, t, e).
+RF_DEVICE_INLINE void rf_rope_store_at(const rf_rope_out& r, int t, int e, const rf_rope_at& at,
+                                       float y0, float y1) {
+    const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
+    if (e < r.q_dim + r.kv_dim && pair < half) {
+        const float even = y0, odd = y1;
+        y0 = fmaf(even, at.c, -(odd * at.s));
+        y1 = fmaf(even, at.s, odd * at.c);
+    }
     if (e < r.q_dim) {
         float* q = r.q_out + (int64_t)t * r.q_dim + e;
         q[0] = y0;
@@ -43,10 +57,15 @@ RF_DEVICE_INLINE void rf_rope_store(const rf_rope_out& r, int t, int e, float y0
     } else {
         const bool is_k = e < r.q_dim + r.kv_dim;
         const int i = e - r.q_dim - (is_k ? 0 : r.kv_dim);
-        uint16_t* dst = (is_k ? r.k_cache : r.v_cache) + cache_row * r.kv_dim + i;
+        uint16_t* dst = (is_k ? r.k_cache : r.v_cache) + at.cache_row * r.kv_dim + i;
         dst[0] = rf_float_to_half(y0);
         dst[1] = rf_float_to_half(y1);
     }
+}
+
+// Store the pair (y0, y1) at elements (e, e + 1) of token t's Q|K|V row (e even).
+RF_DEVICE_INLINE void rf_rope_store(const rf_rope_out& r, int t, int e, float y0, float y1) {
+    rf_rope_store_at(r, t, e, rf_rope_fetch(r, t, e), y0, y1);
 }
 
 #endif  // RF_ROPE_H
