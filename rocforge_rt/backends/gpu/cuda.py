@@ -18,7 +18,7 @@ without it; constructing a compiler or a driver then raises `BackendError`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver, check
@@ -63,6 +63,7 @@ class NvrtcCompiler:
         self.arch = arch
         self.warp_size = warp_size
         self.version = f"nvrtc {major}.{minor} {' '.join(_BASE_OPTIONS)}"
+        self.last_log = ""
 
     def compile(
         self,
@@ -70,11 +71,14 @@ class NvrtcCompiler:
         filename: str,
         headers: Mapping[str, str],
         defines: Mapping[str, str | int],
+        extra_options: Sequence[str] = (),
     ) -> bytes:
         """Compile `source` (named `filename` in messages) to a CUBIN.
 
-        `headers` maps include names to contents, served in memory. Raises
-        `KernelCompileError` with NVRTC's log when the source does not compile.
+        `headers` maps include names to contents, served in memory; `extra_options` go to
+        NVRTC after the usual ones (e.g. ``--ptxas-options=-v``), and the compile's log is
+        kept in `last_log`. Raises `KernelCompileError` with NVRTC's log when the source
+        does not compile.
         """
         nvrtc = self._nvrtc
         names = sorted(headers)
@@ -93,9 +97,10 @@ class NvrtcCompiler:
                 f"--gpu-architecture={self.arch}",
                 *_BASE_OPTIONS,
                 *_define_options(defines),
+                *extra_options,
             ]
             status = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-            log = self._log(prog)
+            log = self.last_log = self._log(prog)
             if status[0] == nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
                 raise KernelCompileError(
                     f"NVRTC failed to compile {filename} for {self.arch}:\n{log}"

@@ -297,7 +297,7 @@ class KernelLibrary:
         """
         source = (self.source_dir / source_name).read_text()
         headers = self.headers()
-        all_defines = self._defines(defines)
+        all_defines = self.defines(defines)
         key = self._key(source_name, source, headers, all_defines)
         compiler = self.compiler
         path = self.cache_dir / f"{Path(source_name).stem}.{compiler.vendor}-{compiler.arch}.{key}"
@@ -323,7 +323,9 @@ class KernelLibrary:
         """Every source's code object, by file name."""
         return {name: self.load(name, defines) for name in self.sources()}
 
-    def _defines(self, defines: Mapping[str, str | int] | None) -> dict[str, str]:
+    def defines(self, defines: Mapping[str, str | int] | None = None) -> dict[str, str]:
+        """Every -D define a compile of this library gets: `defines`, then the shared constants
+        (`KERNEL_DEFINES`) and RF_WARP_SIZE from the compiler, which `defines` may not change."""
         normalized = _normalize_defines(defines or {})
         for name, value in _normalize_defines(KERNEL_DEFINES).items():
             if normalized.setdefault(name, value) != value:
