@@ -7,7 +7,6 @@ answers with fixed timings: a prompt at 1 ms a token (1,000 tok/s), a decode ste
 (100 tok/s).
 """
 
-import importlib.util
 import json
 import os
 import statistics
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from fake_executables import failing_tool, write_executable
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,10 +112,7 @@ def test_bench_cpu_times_both_sides_and_writes_medians_ratios_memory_and_a_table
 
 
 def load_bench_cpu():
-    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "scripts" / "bench_cpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_cpu")
 
 
 def test_bench_cpu_alternates_ours_and_llamacpp_round_by_round_on_the_same_tokens(

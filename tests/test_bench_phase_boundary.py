@@ -2,23 +2,14 @@
 (kernels chained by programmatic dependent launch, persistent kernels with either grid
 barrier) hands every phase the row the one before it wrote."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 pytestmark = pytest.mark.gpu
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_phase_boundary", ROOT / "scripts/bench_phase_boundary.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_phase_boundary")
 
 
 def test_every_variant_computes_the_chains_bits_on_one_and_two_blocks_a_multiprocessor(

@@ -5,7 +5,6 @@ prints llama-bench-shaped JSON, timing a pp test at 10 us a token (x 1.01 per re
 and logs its arguments.
 """
 
-import importlib.util
 import json
 import os
 import statistics
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_executables import LOGGED_ARGS, failing_tool, write_executable
+from script_modules import load_script
 
 from rocforge_rt.engine.workloads import lever_settings
 
@@ -107,11 +107,7 @@ def test_prefill_bench_times_both_sides_at_every_length_and_writes_json_a_table_
 def test_prefill_bench_alternates_ours_and_llama_bench_at_each_length_after_a_warm_up(
     tiny_model, fake_llama_bench, tmp_path, monkeypatch
 ):
-    spec = importlib.util.spec_from_file_location(
-        "bench_prefill", ROOT / "scripts" / "bench_prefill.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_prefill")
     order = []
 
     def ours(engine, n_prompt, rng):
@@ -265,9 +261,7 @@ def test_one_lever_sets_several_attributes_of_one_engine():
 def test_engines_loaded_inside_kernel_sources_compile_that_tree_and_nothing_else_does(
     monkeypatch, tmp_path
 ):
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
-    bench_decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_decode)
+    bench_decode = load_script("bench_decode")
     from rocforge_rt.backends.gpu.kernel_library import kernels_dir
 
     monkeypatch.delenv("ROCFORGE_KERNELS_DIR", raising=False)

@@ -1,21 +1,11 @@
 """scripts/decode_timeline.py's reading of a timeline: a decode step's kernels found among a
 prompt's and a cut-off step's, and each kernel's share of the step's critical path."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
 def load_timeline():
-    spec = importlib.util.spec_from_file_location(
-        "decode_timeline", ROOT / "scripts/decode_timeline.py"
-    )
-    timeline = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = timeline  # its dataclass looks its module up
-    spec.loader.exec_module(timeline)
-    return timeline
+    return load_script("decode_timeline")
 
 
 def overlapping_steps(timeline):

@@ -1,15 +1,10 @@
 """scripts/kernel_registers.py: each kernel's registers, stack and spills from ptxas's log."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from script_modules import load_script
 
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernel_names
 from rocforge_rt.errors import BackendError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 LOG = """\
 ptxas info    : 0 bytes gmem
@@ -25,18 +20,8 @@ ptxas info    : Used 80 registers, used 1 barriers, 32 bytes cumulative stack si
 """
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_registers", ROOT / "scripts/kernel_registers.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclass looks its module up
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_the_log_gives_each_entry_function_its_registers_stack_and_spills():
-    script = load_script()
+    script = load_script("kernel_registers")
     found = script.parse_ptxas_log(LOG)
     assert found == {
         "rf_small": script.KernelResources(24, 0, 0, 0),
@@ -45,7 +30,7 @@ def test_the_log_gives_each_entry_function_its_registers_stack_and_spills():
 
 
 def test_every_kernel_of_a_source_is_reported_within_the_register_file():
-    script = load_script()
+    script = load_script("kernel_registers")
     try:
         from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
 

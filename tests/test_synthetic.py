@@ -1,12 +1,12 @@
 """Synthetic models: each shape's table states the real model's numbers; written files
 load as the shape they name and hold weights sane for a forward pass."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from script_modules import load_script
 
 from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model.gguf_file import (
@@ -28,10 +28,7 @@ from rocforge_rt.model.synthetic import (
 from rocforge_rt.model.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_model.py"
-_spec = importlib.util.spec_from_file_location("make_synthetic_model", SCRIPT)
-make_synthetic_model = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_synthetic_model)
+make_synthetic_model = load_script("make_synthetic_model")
 
 
 # name, width, layers, (heads, kv heads), head dim, ffn, vocab, token_embd, output, rope base, ctx
