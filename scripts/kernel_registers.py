@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
-from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 
 PTXAS_VERBOSE = "--ptxas-options=-v"
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
@@ -74,7 +74,7 @@ def main() -> int:
     parser.add_argument("--match", default="", help="only kernels whose name this regex finds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
-    library = KernelLibrary(NvrtcCompiler(args.arch), source_dir=args.kernels_dir or kernels_dir())
+    library = KernelLibrary(NvrtcCompiler(args.arch), source_dir=args.kernels_dir)
     rows = {
         name: resources
         for source in args.sources
