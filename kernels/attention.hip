@@ -1,4 +1,4 @@
-// Attention over the fp16 KV pool with grouped-query heads, on the fp16 matrix units: a
+// Attention over the KV pool with grouped-query heads, on the fp16 matrix units: a
 // decode kernel (few tokens, any slots, the context split across blocks) and a prefill
 // kernel (a prompt chunk of one slot, FlashAttention-2 style). Both compute every (token,
 // head) output with the same arithmetic, so a token gives bit-identical results through
@@ -34,7 +34,9 @@
 //   is 0, so the values mma of the other rows adds nothing to it).
 //
 // q        fp32 [n_tokens, n_head, d]   (d = head dim, dk == dv here, d <= 128, d % 32 == 0)
-// k_cache, v_cache fp16 [n_slots, n_ctx, n_kv, d] of this layer
+// k_cache, v_cache [n_slots, n_ctx, n_kv, d] of this layer: fp16, or fp8 E4M3 for the
+//                  kernels named _fp8 (rf_kv.h), which widen each staged tile to fp16
+//                  (exactly), so the arithmetic below is the same on either pool
 // positions, slots int32 [n_tokens]: token t attends to cache positions 0..positions[t]
 //                  of slot slots[t] (step state, read on the device)
 // out      fp32 [n_tokens, n_head * d]
@@ -94,6 +96,7 @@
 #include "rf_portability.h"
 #include "rf_constants.h"
 #include "rf_q8.h"
+#include "rf_kv.h"
 
 // From rf_constants.h: RF_ATTN_TILE (key positions a tile), RF_ATTN_SPAN and
 // RF_ATTN_ONE_SPAN_TILES (the fold's spans), RF_ATTN_WARPS (warps a block),
@@ -116,33 +119,72 @@ struct alignas(16) rf_attn_f32x4 {
     float v[4];
 };
 
+struct alignas(16) rf_attn_u32x4 {
+    uint32_t v[4];
+};
+
 // Rows [0, RF_ATTN_TILE) of a K or V tile into shared memory, D + 8 halves apart (16-byte
 // aligned; the 8 rows an ldmatrix reads hit 32 distinct banks): rows [0, n) from `src`
-// (`stride` halves apart), zeros past n, row `skip` left as it is (-1: none). Every thread
-// of the block takes part; cp.async on NVIDIA (the caller commits and waits).
-template <int D>
-RF_DEVICE_INLINE void rf_attn_stage(uint16_t* dst, const uint16_t* src, int64_t stride, int n,
-                                    int skip = -1) {
-    constexpr int PER_ROW = D / 8, CHUNKS = RF_ATTN_TILE * PER_ROW;
+// (`stride` elements apart), zeros past n, row `skip` left as it is (-1: none). Every
+// thread of the block takes part; cp.async on NVIDIA (the caller commits and waits). The
+// copy of 16-byte piece i (of a row's D / 8 fp16, or D / 16 fp8 pieces, row by row) is
+// thread i % RF_ATTN_THREADS's. An fp8 pool's piece c of a row lands in the second half of
+// the 32 bytes it widens to (bytes 32 c + 16..), so that the thread that copied it widens it
+// in place (rf_attn_widen, which also writes the zeros past n) once its copies are done,
+// touching no other thread's bytes.
+template <int D, bool FP8>
+RF_DEVICE_INLINE void rf_attn_stage(uint16_t* dst, const rf_kv_t<FP8>* src, int64_t stride,
+                                    int n, int skip = -1) {
+    constexpr int PER_ROW = D / (FP8 ? 16 : 8), CHUNKS = RF_ATTN_TILE * PER_ROW;
     static_assert(CHUNKS % RF_ATTN_THREADS == 0, "whole rounds of 16-byte copies");
 #pragma unroll
     for (int i = (int)threadIdx.x; i < CHUNKS; i += RF_ATTN_THREADS) {
         const int row = i / PER_ROW, c = i % PER_ROW;
         const bool fill = row < n;
-        if (row != skip) {
-            rf_cp_async16(dst + row * (D + 8) + 8 * c, fill ? src + row * stride + 8 * c : src,
-                          fill);
+        if (row != skip && (fill || !FP8)) {
+            rf_cp_async16(dst + row * (D + 8) + (FP8 ? 16 * c + 8 : 8 * c),
+                          fill ? src + row * stride + 16 * c / (FP8 ? 1 : 2) : src, fill);
         }
     }
 }
-// Row `row` of a K or V tile staged as rf_attn_stage does, by the block's first D / 8
-// threads.
-template <int D>
-RF_DEVICE_INLINE void rf_attn_stage_row(uint16_t* dst, const uint16_t* src, int64_t stride,
+// Row `row` of a K or V tile staged as rf_attn_stage does (fp8: by the threads that copy
+// its pieces there).
+template <int D, bool FP8>
+RF_DEVICE_INLINE void rf_attn_stage_row(uint16_t* dst, const rf_kv_t<FP8>* src, int64_t stride,
                                         int row) {
-    const int c = (int)threadIdx.x;
-    if (c < D / 8) {
-        rf_cp_async16(dst + row * (D + 8) + 8 * c, src + row * stride + 8 * c, true);
+    constexpr int PER_ROW = D / (FP8 ? 16 : 8);
+    const int c = FP8 ? ((int)threadIdx.x - row * PER_ROW % RF_ATTN_THREADS + RF_ATTN_THREADS) %
+                            RF_ATTN_THREADS
+                      : (int)threadIdx.x;  // fp16: any threads will do
+    if (c < PER_ROW) {
+        rf_cp_async16(dst + row * (D + 8) + (FP8 ? 16 * c + 8 : 8 * c),
+                      src + row * stride + 16 * c / (FP8 ? 1 : 2), true);
+    }
+}
+// The fp8 pieces this thread copied into a tile's rows [0, n) (rf_attn_stage,
+// rf_attn_stage_row: done, the caller has waited for them) widened to fp16 in place, and
+// zeros in its pieces of the rows past n; the block's barrier after it shows them to the
+// others.
+template <int D>
+RF_DEVICE_INLINE void rf_attn_widen(uint16_t* tile, int n) {
+    constexpr int PER_ROW = D / 16, CHUNKS = RF_ATTN_TILE * PER_ROW;
+#pragma unroll
+    for (int i = (int)threadIdx.x; i < CHUNKS; i += RF_ATTN_THREADS) {
+        uint16_t* piece = tile + i / PER_ROW * (D + 8) + 16 * (i % PER_ROW);
+        rf_attn_u32x4 lo = {{0u, 0u, 0u, 0u}}, hi = lo;  // elements 0..7, 8..15
+        if (i / PER_ROW >= n) {
+            *(rf_attn_u32x4*)piece = lo;
+            *(rf_attn_u32x4*)(piece + 8) = hi;
+            continue;
+        }
+        const rf_attn_u32x4 raw = *(const rf_attn_u32x4*)(piece + 8);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            rf_e4m3x4_to_half2x2(raw.v[w], lo.v[2 * w], lo.v[2 * w + 1]);
+            rf_e4m3x4_to_half2x2(raw.v[2 + w], hi.v[2 * w], hi.v[2 * w + 1]);
+        }
+        *(rf_attn_u32x4*)piece = lo;
+        *(rf_attn_u32x4*)(piece + 8) = hi;
     }
 }
 
@@ -492,10 +534,10 @@ RF_DEVICE_INLINE void rf_attn_quantize_out(const float* out, int first, int grou
     }
 }
 
-template <int D>
+template <int D, bool FP8>
 RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_RESTRICT q,
-                                     const uint16_t* RF_RESTRICT k_cache,
-                                     const uint16_t* RF_RESTRICT v_cache,
+                                     const uint8_t* RF_RESTRICT k_pool,
+                                     const uint8_t* RF_RESTRICT v_pool,
                                      const int32_t* RF_RESTRICT positions,
                                      const int32_t* RF_RESTRICT slots, int n_ctx, int n_head,
                                      int n_kv, float qscale, int max_tiles,
@@ -506,6 +548,8 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     constexpr int PAIRS = (D / 16 + RF_ATTN_WARPS - 1) / RF_ATTN_WARPS;  // value pairs a warp
     const int kvh = blockIdx.x, token = blockIdx.y, tile = blockIdx.z;
     const int group = n_head / n_kv;
+    const rf_kv_t<FP8>* k_cache = (const rf_kv_t<FP8>*)k_pool;
+    const rf_kv_t<FP8>* v_cache = (const rf_kv_t<FP8>*)v_pool;
     // `ahead` (a one-row step): the cache rows before the token's own position, and the step
     // state, are earlier steps' and complete (this kernel's predecessor, the Q|K|V GEMV, lets
     // it launch only after its own wait, so every kernel before that one has finished), so
@@ -534,20 +578,21 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     for (int j = first_tile; j < end_tile; ++j) {
         const int start = j * RF_ATTN_TILE;
         uint16_t* k_tile = sh.kv + 2 * (j - first_tile) * RF_ATTN_STAGE(D);
-        rf_attn_stage<D>(k_tile, k_cache + base + start * kv_stride, kv_stride, length - start,
-                         newest - start);
-        rf_attn_stage<D>(k_tile + RF_ATTN_STAGE(D), v_cache + base + start * kv_stride, kv_stride,
-                         length - start, newest - start);
+        rf_attn_stage<D, FP8>(k_tile, k_cache + base + start * kv_stride, kv_stride,
+                              length - start, newest - start);
+        rf_attn_stage<D, FP8>(k_tile + RF_ATTN_STAGE(D), v_cache + base + start * kv_stride,
+                              kv_stride, length - start, newest - start);
     }
     if (one_row) {
         rf_pdl_wait();
         if (end_tile == n_tiles) {  // the newest row is in this block's last tile
             const int start = (n_tiles - 1) * RF_ATTN_TILE;
             uint16_t* k_tile = sh.kv + 2 * (n_tiles - 1 - first_tile) * RF_ATTN_STAGE(D);
-            rf_attn_stage_row<D>(k_tile, k_cache + base + start * kv_stride, kv_stride,
-                                 newest - start);
-            rf_attn_stage_row<D>(k_tile + RF_ATTN_STAGE(D), v_cache + base + start * kv_stride,
-                                 kv_stride, newest - start);
+            rf_attn_stage_row<D, FP8>(k_tile, k_cache + base + start * kv_stride, kv_stride,
+                                      newest - start);
+            rf_attn_stage_row<D, FP8>(k_tile + RF_ATTN_STAGE(D),
+                                      v_cache + base + start * kv_stride, kv_stride,
+                                      newest - start);
         }
     }
     rf_cp_async_commit();
@@ -564,6 +609,13 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     rf_attn_q<D>(qa, pos[0] >= 0 ? q + (head0 + g) * D : nullptr,
                  pos[1] >= 0 ? q + (head0 + g + 8) * D : nullptr, qscale);
     rf_cp_async_wait<0>();
+    if constexpr (FP8) {
+        for (int jj = 0; jj < end_tile - first_tile; ++jj) {
+            const int rows = length - (first_tile + jj) * RF_ATTN_TILE;
+            rf_attn_widen<D>(sh.kv + 2 * jj * RF_ATTN_STAGE(D), rows);
+            rf_attn_widen<D>(sh.kv + (2 * jj + 1) * RF_ATTN_STAGE(D), rows);
+        }
+    }
     // The state of this lane's rows and value columns (folded here when alone).
     float big_m[2] = {-RF_INFINITY, -RF_INFINITY}, big_l[2] = {0.0f, 0.0f};
     float a[PAIRS][2][4] = {};
@@ -732,40 +784,43 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     }
 }
 
-// One kernel per head dim: one kernel switching over all four took the widest's registers
-// (125 instead of 93 at d = 64) and ran a third longer at short contexts on an H100.
+// One kernel per head dim and pool format: one kernel switching over all four head dims
+// took the widest's registers (125 instead of 93 at d = 64) and ran a third longer at short
+// contexts on an H100. The pools are passed as bytes (either format).
 #define RF_ATTN_DECODE_PARAMS                                                              \
-    const float *RF_RESTRICT q, const uint16_t *RF_RESTRICT k_cache,                       \
-        const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,         \
+    const float *RF_RESTRICT q, const uint8_t *RF_RESTRICT k_cache,                        \
+        const uint8_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,          \
         const int32_t *RF_RESTRICT slots, int n_ctx, int n_head, int n_kv, float qscale,   \
         int max_tiles, float *RF_RESTRICT partial, uint32_t *RF_RESTRICT counters,         \
         float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq, int ahead, int wave, int fold
-#define RF_ATTN_DECODE_ARGS                                                                \
-    sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, qscale, max_tiles, partial, \
-        counters, out, xq, ahead, wave, fold
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
-    __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_launch_dependents();  // rf_attn_decode waits
-    rf_attn_decode<32>(RF_ATTN_DECODE_ARGS);
+#define RF_ATTN_DECODE(D, FP8)                                                             \
+    __shared__ __align__(16) rf_attn_decode_shared sh;                                     \
+    rf_pdl_launch_dependents(); /* rf_attn_decode waits */                                 \
+    rf_attn_decode<D, FP8>(sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, \
+                           qscale, max_tiles, partial, counters, out, xq, ahead, wave, fold)
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(32, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_decode_d64(RF_ATTN_DECODE_PARAMS) {
-    __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_launch_dependents();  // rf_attn_decode waits
-    rf_attn_decode<64>(RF_ATTN_DECODE_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d64(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(64, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_decode_d96(RF_ATTN_DECODE_PARAMS) {
-    __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_launch_dependents();  // rf_attn_decode waits
-    rf_attn_decode<96>(RF_ATTN_DECODE_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d96(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(96, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_decode_d128(RF_ATTN_DECODE_PARAMS) {
-    __shared__ __align__(16) rf_attn_decode_shared sh;
-    rf_pdl_launch_dependents();  // rf_attn_decode waits
-    rf_attn_decode<128>(RF_ATTN_DECODE_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d128(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(128, false);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d32_fp8(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(32, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d64_fp8(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(64, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d96_fp8(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(96, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d128_fp8(RF_ATTN_DECODE_PARAMS) {
+    RF_ATTN_DECODE(128, true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -872,14 +927,16 @@ void rf_attention_fold_d128(RF_ATTN_FOLD_PARAMS) {
 // shared memory, else one.
 #define RF_ATTN_STAGES(D) (4 * RF_ATTN_STAGE(D) * 2 <= 48 * 1024 ? 2 : 1)
 
-template <int D, int STAGES = RF_ATTN_STAGES(D)>
+template <int D, bool FP8, int STAGES = RF_ATTN_STAGES(D)>
 RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRICT q,
-                                      const uint16_t* RF_RESTRICT k_cache,
-                                      const uint16_t* RF_RESTRICT v_cache,
+                                      const uint8_t* RF_RESTRICT k_pool,
+                                      const uint8_t* RF_RESTRICT v_pool,
                                       const int32_t* RF_RESTRICT positions,
                                       const int32_t* RF_RESTRICT slots, int n_tokens, int n_ctx,
                                       int n_head, int n_kv, float qscale, float* RF_RESTRICT out) {
     rf_pdl_wait();
+    const rf_kv_t<FP8>* k_cache = (const rf_kv_t<FP8>*)k_pool;
+    const rf_kv_t<FP8>* v_cache = (const rf_kv_t<FP8>*)v_pool;
     const int group = n_head / n_kv, tokens = RF_ATTN_PREFILL_ROWS / group;
     const int kvh = blockIdx.x;
     const int first = (int)(gridDim.y - 1u - blockIdx.y) * tokens;  // longest contexts first
@@ -1005,9 +1062,15 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
             }
         }
     };
-    const auto stage = [&](uint16_t* dst, const uint16_t* cache, int j) {
+    const auto stage = [&](uint16_t* dst, const rf_kv_t<FP8>* cache, int j) {
         const int start = j * RF_ATTN_TILE;
-        rf_attn_stage<D>(dst, cache + base + start * kv_stride, kv_stride, block_length - start);
+        rf_attn_stage<D, FP8>(dst, cache + base + start * kv_stride, kv_stride,
+                              block_length - start);
+    };
+    const auto widen = [&](uint16_t* tile, int j) {  // an fp8 pool's tile j, waited for
+        if constexpr (FP8) {
+            rf_attn_widen<D>(tile, block_length - j * RF_ATTN_TILE);
+        }
     };
     uint16_t* s_k = s_tiles;  // K of stage i at s_k + i * RF_ATTN_STAGE(D), V after them
     uint16_t* s_v = s_tiles + STAGES * RF_ATTN_STAGE(D);
@@ -1023,6 +1086,8 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
         for (int j = 0; j < n_tiles; ++j) {
             const int buffer = (j % 2) * RF_ATTN_STAGE(D);
             rf_cp_async_wait<1>();
+            widen(s_k + buffer, j);
+            widen(s_v + buffer, j);
             __syncthreads();  // tile j is in
             if (j * RF_ATTN_TILE < warp_length) {
                 scores(s_k + buffer, j);
@@ -1043,6 +1108,7 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
         for (int j = 0; j < n_tiles; ++j) {
             const bool computes = j * RF_ATTN_TILE < warp_length;
             rf_cp_async_wait<1>();
+            widen(s_k, j);
             __syncthreads();  // K of tile j is in
             if (computes) {
                 scores(s_k, j);
@@ -1053,6 +1119,7 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
             }
             rf_cp_async_commit();
             rf_cp_async_wait<1>();
+            widen(s_v, j);
             __syncthreads();  // V of tile j is in
             if (computes) {
                 fold_values(s_v, j);
@@ -1085,30 +1152,35 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
 }
 
 #define RF_ATTN_PREFILL_PARAMS                                                              \
-    const float *RF_RESTRICT q, const uint16_t *RF_RESTRICT k_cache,                        \
-        const uint16_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,          \
+    const float *RF_RESTRICT q, const uint8_t *RF_RESTRICT k_cache,                         \
+        const uint8_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,           \
         const int32_t *RF_RESTRICT slots, int n_tokens, int n_ctx, int n_head, int n_kv,    \
         float qscale, float *RF_RESTRICT out
-#define RF_ATTN_PREFILL_ARGS \
-    q, k_cache, v_cache, positions, slots, n_tokens, n_ctx, n_head, n_kv, qscale, out
-
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_prefill_d32(RF_ATTN_PREFILL_PARAMS) {
-    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(32) * RF_ATTN_STAGE(32)];
-    rf_attn_prefill<32>(s_tiles, RF_ATTN_PREFILL_ARGS);
+#define RF_ATTN_PREFILL(D, FP8)                                                              \
+    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(D) * RF_ATTN_STAGE(D)];     \
+    rf_attn_prefill<D, FP8>(s_tiles, q, k_cache, v_cache, positions, slots, n_tokens, n_ctx, \
+                            n_head, n_kv, qscale, out)
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d32(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(32, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_prefill_d64(RF_ATTN_PREFILL_PARAMS) {
-    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(64) * RF_ATTN_STAGE(64)];
-    rf_attn_prefill<64>(s_tiles, RF_ATTN_PREFILL_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d64(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(64, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_prefill_d96(RF_ATTN_PREFILL_PARAMS) {
-    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(96) * RF_ATTN_STAGE(96)];
-    rf_attn_prefill<96>(s_tiles, RF_ATTN_PREFILL_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d96(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(96, false);
 }
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_prefill_d128(RF_ATTN_PREFILL_PARAMS) {
-    __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(128) * RF_ATTN_STAGE(128)];
-    rf_attn_prefill<128>(s_tiles, RF_ATTN_PREFILL_ARGS);
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d128(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(128, false);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d32_fp8(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(32, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d64_fp8(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(64, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d96_fp8(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(96, true);
+}
+RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d128_fp8(RF_ATTN_PREFILL_PARAMS) {
+    RF_ATTN_PREFILL(128, true);
 }

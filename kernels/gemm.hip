@@ -736,18 +736,19 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
         const int8_t *RF_RESTRICT xq, const float *RF_RESTRICT xd, int n_rows,            \
         const int32_t *positions, const int32_t *slots, const float *cos_table,           \
-        const float *sin_table, float *q_out, uint16_t *k_cache, uint16_t *v_cache,       \
+        const float *sin_table, float *q_out, uint8_t *k_cache, uint8_t *v_cache,         \
         int q_dim, int kv_dim, int head_dim, int rope_dims, int n_ctx
 #define RF_MMV_CALL(format, variant, tw, ks, ms)                                          \
     rf_mmv<format, variant, tw, ks, ms>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, \
                                         out, rf_rope_out{})
-#define RF_MMV_ROPE_CALL(format, tw, ks, ms)                                                      \
+#define RF_MMV_ROPE_CALL(format, tw, ks, ms, fp8)                                                 \
     rf_mmv<format, RF_MMV_ROPE, tw, ks, ms>(                                                      \
         w_qs, w_d, n, k, xq, xd, n_rows, RF_EPILOGUE_STORE, nullptr, nullptr,                     \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
-                    head_dim, rope_dims, n_ctx})
+                    head_dim, rope_dims, n_ctx, fp8})
 
-// rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope] (block 32 * KS * MS) for up to 8 * TW * MS rows:
+// rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope|_rope_fp8] (block 32 * KS * MS) for up to
+// 8 * TW * MS rows (_rope_fp8: into an fp8 KV pool):
 // the shapes matmul.py picks from (MMV_SHAPES).
 RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 2, 1);
@@ -810,34 +811,64 @@ RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_swiglu(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 8, 2);
 }
 RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1, 0);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1, 0);
 }
 RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1, 0);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1, 0);
 }
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2, 0);
 }
 RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1, 0);
 }
 RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1, 0);
 }
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2, 0);
 }
 RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1, 0);
 }
 RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2);
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2, 0);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2, 1);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1, 1);
+}
+RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2, 1);
+}
+RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1, 1);
+}
+RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
+    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2, 1);
 }
 RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t1_k2_m1(RF_MMV_PARAMS) {
     RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 2, 1);

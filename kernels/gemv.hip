@@ -673,14 +673,14 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         const float *RF_RESTRICT gain, float eps, int release_early,                     \
         const int32_t *positions, const int32_t *slots, const float *cos_table,          \
         const float *sin_table, float *q_out,                                            \
-        uint16_t *k_cache, uint16_t *v_cache, int q_dim, int kv_dim, int head_dim,       \
+        uint8_t *k_cache, uint8_t *v_cache, int q_dim, int kv_dim, int head_dim,         \
         int rope_dims, int n_ctx
-#define RF_GEMV_ROPE_CALL(format, no, rcap)                                                      \
+#define RF_GEMV_ROPE_CALL(format, no, rcap, fp8)                                                    \
     rf_gemv<format, no, false, rcap, true>(                                                      \
         w_qs, w_d, n, k, x, n_rows, xq, gain, eps, release_early, RF_EPILOGUE_STORE, nullptr,    \
         nullptr,                                                                                 \
         rf_rope_out{positions, slots, cos_table, sin_table, q_out, k_cache, v_cache, q_dim, kv_dim, \
-                    head_dim, rope_dims, n_ctx},                                                 \
+                    head_dim, rope_dims, n_ctx, fp8},                                            \
         nullptr, 0)
 
 // One activation row x[k] normalized (with a gain g) and quantized once, into the GEMV
@@ -739,15 +739,26 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1(RF_GEMV_PARAMS) {
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
     RF_GEMV_CALL(rf_q4_0_format, 1, true, RF_GEMV_MAX_ROWS);
 }
-// Q4_0 with RoPE + KV-append: one activation row, or up to RF_GEMV_MAX_ROWS.
+// Q4_0 with RoPE + KV-append: one activation row, or up to RF_GEMV_MAX_ROWS; _fp8 into an
+// fp8 pool (the pool's format is compile-time: a runtime switch spilled the 1B shape's
+// Q|K|V kernel).
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1);
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1, 0);
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1);
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1, 0);
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS);
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS, 0);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_rope_fp8(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope_fp8(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1, 1);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope_fp8(RF_GEMV_ROPE_PARAMS) {
+    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS, 1);
 }
 // Q4_0, one activation row, the weights through rf_weight_ring.
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_bulk(RF_GEMV_BULK_PARAMS) {

@@ -102,6 +102,7 @@ RF_DEVICE_INLINE void rf_syncwarp() {
 #define RF_HAS_MMA_F16 0
 #define RF_HAS_LDMATRIX 0
 #define RF_HAS_CP_ASYNC 0
+#define RF_HAS_CVT_E4M3 0  // no fp8 conversion instruction is used on AMD (rf_kv.h)
 
 // 2^x (the attention softmax's exponential).
 RF_DEVICE_INLINE float rf_exp2(float x) {
@@ -110,6 +111,12 @@ RF_DEVICE_INLINE float rf_exp2(float x) {
 // Two floats as an fp16 pair, each rounded to nearest even: lo in bits 0..15.
 RF_DEVICE_INLINE uint32_t rf_float2_to_half2(float lo, float hi) {
     return (uint32_t)rf_float_to_half(lo) | ((uint32_t)rf_float_to_half(hi) << 16);
+}
+// The fp16 pairs a * b, each rounded to nearest even (subnormals kept).
+RF_DEVICE_INLINE uint32_t rf_half2_mul(uint32_t a, uint32_t b) {
+    typedef _Float16 rf_f16x2 __attribute__((ext_vector_type(2)));
+    return __builtin_bit_cast(uint32_t,
+                              __builtin_bit_cast(rf_f16x2, a) * __builtin_bit_cast(rf_f16x2, b));
 }
 
 // rf_dp4a(a, b, c) = c + sum of the four signed-byte products of a and b.
@@ -226,6 +233,12 @@ RF_DEVICE_INLINE uint32_t rf_float2_to_half2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
     return bits;
 }
+// The fp16 pairs a * b, each rounded to nearest even (subnormals kept).
+RF_DEVICE_INLINE uint32_t rf_half2_mul(uint32_t a, uint32_t b) {
+    uint32_t bits;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(bits) : "r"(a), "r"(b));
+    return bits;
+}
 
 // Shared-memory address of a generic pointer into shared memory.
 RF_DEVICE_INLINE uint32_t rf_shared_address(const void* p) {
@@ -250,6 +263,18 @@ RF_DEVICE_INLINE void rf_ldmatrix_x4_trans(uint32_t r[4], const uint16_t* row) {
                  : "r"(rf_shared_address(row))
                  : "memory");
 }
+// Two fp8 E4M3 values (bytes 0 and 1 of `pair`) as an fp16 pair (byte 0 in bits 0..15),
+// exactly, in one instruction (sm_89+; rf_kv.h widens in integer arithmetic elsewhere).
+#if __CUDA_ARCH__ >= 890
+#define RF_HAS_CVT_E4M3 1
+RF_DEVICE_INLINE uint32_t rf_cvt_e4m3x2_to_half2(uint32_t pair) {
+    uint32_t bits;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(bits) : "h"((uint16_t)pair));
+    return bits;
+}
+#else
+#define RF_HAS_CVT_E4M3 0
+#endif
 #define RF_HAS_CP_ASYNC 1
 RF_DEVICE_INLINE void rf_cp_async16(void* dst, const void* src, bool fill) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rf_shared_address(dst)),

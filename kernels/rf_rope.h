@@ -5,11 +5,13 @@
 // Q|K|V row layout: [n_head * dk | n_kv * dk | n_kv * dv] with dk == dv == head_dim.
 // Adjacent-pair ("norm") RoPE: pair i of a head = elements (2i, 2i+1), rotated by
 // the angle of (position, i) when i < rope_dims / 2; later pairs pass unrotated.
-// q goes to q_out (fp32), k and v to the KV pool (fp16) at the token's slot and position.
+// q goes to q_out (fp32), k and v to the KV pool (fp16, or fp8: rf_kv.h) at the token's
+// slot and position.
 #ifndef RF_ROPE_H
 #define RF_ROPE_H
 
 #include "rf_portability.h"
+#include "rf_kv.h"
 
 struct rf_rope_out {
     const int32_t* positions;  // step state: position of each token
@@ -17,9 +19,10 @@ struct rf_rope_out {
     const float* cos_table;    // [n_ctx, rope_dims / 2]
     const float* sin_table;
     float* q_out;        // [n_tokens, q_dim]
-    uint16_t* k_cache;   // [n_slots, n_ctx, kv_dim] of this layer
-    uint16_t* v_cache;
+    uint8_t* k_cache;    // [n_slots, n_ctx, kv_dim] of this layer (fp16 or fp8 elements)
+    uint8_t* v_cache;
     int q_dim, kv_dim, head_dim, rope_dims, n_ctx;
+    int kv_fp8;  // 1: the pool holds fp8 E4M3 bytes; 0: fp16 (a constant in every kernel)
 };
 
 // What storing a pair of token t's row at element e reads: its position's angle (c, s;
@@ -57,9 +60,8 @@ RF_DEVICE_INLINE void rf_rope_store_at(const rf_rope_out& r, int t, int e, const
     } else {
         const bool is_k = e < r.q_dim + r.kv_dim;
         const int i = e - r.q_dim - (is_k ? 0 : r.kv_dim);
-        uint16_t* dst = (is_k ? r.k_cache : r.v_cache) + at.cache_row * r.kv_dim + i;
-        dst[0] = rf_float_to_half(y0);
-        dst[1] = rf_float_to_half(y1);
+        rf_kv_store2(is_k ? r.k_cache : r.v_cache, at.cache_row * r.kv_dim + i, y0, y1,
+                     r.kv_fp8 != 0);
     }
 }
 

@@ -19,6 +19,7 @@ from rocforge_rt.server.cli_commands import (
     MODEL_HELP,
     THREADS_HELP,
     add_generation_options,
+    add_kv_cache_dtype_option,
     add_location_options,
     add_server_commands,
     export_locations,
@@ -100,6 +101,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         n_ctx=args.ctx_size,
         batch_invariant=args.batch_invariant,
         threads=args.threads,
+        kv_dtype=args.kv_cache_dtype,
     )
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--ctx-size", type=_ctx_size, default=2048, metavar="N", help="context tokens (>= 2)"
     )
+    add_kv_cache_dtype_option(gen)
     gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
     gen.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)

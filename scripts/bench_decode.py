@@ -15,7 +15,9 @@ A/B of kernel changes in one run, the trees' engines timed in turn each round);
 --matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
 attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
 gemv_max_blocks_per_sm=4; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1);
---attention-lever likewise for its Attention (e.g. quantize_out=0).
+--attention-lever likewise for its Attention (e.g. quantize_out=0); --kv-cache-dtype
+(repeatable) one engine per KV pool format (default f16; fp8: llama-bench's nearest is
+--llamacpp-args='-ctk q8_0 -ctv q8_0').
 """
 
 import argparse
@@ -42,6 +44,7 @@ from rocforge_rt.engine.workloads import (
     prompt_tokens_per_s,
     set_levers,
 )
+from rocforge_rt.step.kv_format import KV_DTYPES
 
 MODES = ("per-kernel-sync", "deferred", "graph")
 
@@ -84,8 +87,10 @@ class ModeBench:
         lookahead: bool = True,
         kernels: tuple[str, str] | None = None,
         lever: tuple[str, tuple[tuple[str, float], ...]] = ("matmul", ()),
+        kv_dtype: str = "f16",
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
+        options["kv_dtype"] = kv_dtype
         n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
         self.args = args
         self.mode = mode
@@ -94,6 +99,8 @@ class ModeBench:
         self.label = mode_label(mode or self.engine.backend.name, overlap, lookahead)
         if kernels:
             self.label += f" [{kernels[0]}]"
+        if kv_dtype != "f16":
+            self.label += f" [kv {kv_dtype}]"
         part, settings = lever
         try:
             self.label += set_levers(self.engine.backend, part, settings)
@@ -220,13 +227,17 @@ def main() -> int:
         "--attention-lever", action="append", type=lever_settings, default=[],
         metavar="ATTR=VALUE", help="the same for the GPU backend's Attention",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", action="append", choices=KV_DTYPES,
+        help="KV pool format (repeatable: one engine each; default f16)",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench-results/decode.json")
     args = parser.parse_args()
 
     on_gpu = resolve_backend_name(args.backend) != "cpu"
     benches = []
     for mode in (args.mode or list(MODES)) if on_gpu else [None]:
-        benches.append(ModeBench(args, mode))
+        benches += [ModeBench(args, mode, kv_dtype=d) for d in args.kv_cache_dtype or ["f16"]]
         benches += [ModeBench(args, mode, kernels=variant) for variant in args.kernels]
         benches += [ModeBench(args, mode, lever=("matmul", lever)) for lever in args.matmul_lever]
         benches += [
@@ -236,6 +247,11 @@ def main() -> int:
             benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:
             benches.append(ModeBench(args, mode, lookahead=False))
+    seen: dict[str, int] = {}
+    for bench in benches:  # an engine asked for twice (its spread: the run's noise) keeps both
+        seen[bench.label] = seen.get(bench.label, 0) + 1
+        if seen[bench.label] > 1:
+            bench.label += f" #{seen[bench.label]}"
     report: dict[str, object] = {"model": args.model, "backend": args.backend,
                                  "depth": args.depth, "rounds": args.rounds}  # fmt: skip
     peer_rounds: list[dict[str, float]] = []

@@ -37,6 +37,7 @@ import numpy as np
 
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.workloads import BENCH_SAMPLING, decode_tokens_per_s
+from rocforge_rt.step.kv_format import KV_DTYPES
 from rocforge_rt.step.sampling import SamplingParams
 
 
@@ -133,14 +134,17 @@ def main() -> int:
         help="draw each token (the benchmarks' sampled decode: workloads.BENCH_SAMPLING) "
         "instead of greedy decode",
     )  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     engine = Engine.load(
-        args.model, backend="cuda", n_ctx=max(args.depth, 1) + args.steps + 16, mode="graph"
-    )
+        args.model, backend="cuda", n_ctx=max(args.depth, 1) + args.steps + 16, mode="graph",
+        kv_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     sampling = BENCH_SAMPLING if args.sampled else SamplingParams()
     spans, tokens_per_s = cupti_kernels(engine, args.steps, args.depth, sampling)
     result = {"model": args.model, "depth": args.depth, "sampled": args.sampled,
+              "kv_dtype": args.kv_cache_dtype,
               "tokens_per_s_profiled": tokens_per_s}  # fmt: skip
     result |= critical_path(decode_steps(spans))
     print(f"depth {args.depth}: {result['steps']} steps, {result['step_us']:.1f} us a step "

@@ -227,6 +227,20 @@ def test_decode_bench_times_an_engine_per_kernel_tree_in_every_round(tiny_model,
     assert all(len(figures["decode_runs"]) == 2 for figures in modes.values())
 
 
+def test_decode_bench_times_an_engine_per_kv_cache_dtype_and_keeps_a_repeated_one_apart(
+    tiny_model, tmp_path
+):
+    out = tmp_path / "decode.json"
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--repeats", "1", "--kv-cache-dtype", "f16",
+                        "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "f16",
+                        "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"cpu", "cpu [kv fp8]", "cpu #2"}
+    assert [modes[m]["device"]["kv_dtype"] for m in sorted(modes)] == ["f16", "f16", "fp8"]
+
+
 def test_decode_bench_refuses_a_kernel_tree_that_is_not_a_folder(tiny_model, tmp_path):
     result = run_script("bench_decode.py", tiny_model, "--backend", "cpu",
                         "--kernels", f"before={tmp_path / 'absent'}")  # fmt: skip

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,58 @@ def test_threads_reach_the_cpu_backend_from_generate_serve_and_engine_load(
     assert loaded.value.args[0]["threads"] == 1
 
 
+def test_the_kv_cache_dtype_reaches_the_engine_from_generate_serve_and_demo(
+    tiny_model, default_model, monkeypatch, capsys, caplog
+):
+    """--kv-cache-dtype on serve, generate and demo: f16 by default, or fp8, anything else a
+    usage error naming the choices; DaemonConfig.kv_dtype through plan (checked by name,
+    the KV pool logged in fp8's bytes) to the engine's backend; generate's to Engine.load,
+    demo's to the daemon it starts."""
+    import logging
+
+    from rocforge_rt.cli import build_parser, main
+    from rocforge_rt.engine.engine import Engine
+    from rocforge_rt.server import cli_commands
+    from rocforge_rt.server.config import DaemonConfig, OptionError, plan
+
+    parser = build_parser()
+    for command in (["serve"], ["generate", "--prompt", "x"], ["demo"]):
+        assert parser.parse_args(command).kv_cache_dtype == "f16"
+        assert parser.parse_args([*command, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*command, "--kv-cache-dtype", "fp16"])
+        assert exited.value.code == 2
+        said = capsys.readouterr().err
+        assert "--kv-cache-dtype: invalid choice: 'fp16'" in said and "fp8" in said
+
+    caplog.set_level(logging.INFO, logger="rocforge.server")
+    config = DaemonConfig(model=tiny_model, backend="cpu", ctx_size=64, max_sessions=2)
+    fp8 = plan(replace(config, kv_dtype="fp8")).build(lambda: False)
+    hp = fp8.hparams
+    per_token = hp.n_layer * (hp.kv_dim_k + hp.kv_dim_v)  # a byte an element
+    assert f"KV pool: 2 sessions x 64 tokens x {per_token} bytes (fp8)" in caplog.text
+    assert fp8.kv_dtype == fp8.backend.kv_dtype == "fp8"
+    with pytest.raises(OptionError, match="--kv-cache-dtype must be one of f16, fp8, got 'e5m2'"):
+        plan(replace(config, kv_dtype="e5m2"))
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        raise Started(args, kwargs)
+
+    monkeypatch.setattr(Engine, "load", start)
+    with pytest.raises(Started) as started:
+        main(["generate", "--model", str(default_model), "--backend", "cpu", "--prompt", "x",
+              "--kv-cache-dtype", "fp8"])  # fmt: skip
+    assert started.value.args[1]["kv_dtype"] == "fp8"
+    monkeypatch.setattr(cli_commands, "LocalDaemon", start)
+    with pytest.raises(Started) as started:
+        main(["demo", "--model", str(tiny_model), "--kv-cache-dtype", "fp8"])
+    serve_args = started.value.args[0][1]
+    assert serve_args[serve_args.index("--kv-cache-dtype") + 1] == "fp8"
+
+
 def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_default(capsys):
     from rocforge_rt.cli import build_parser, main
     from rocforge_rt.server.cli_commands import sampling_options
@@ -338,11 +391,13 @@ def test_serve_options_come_from_rocforge_variables_and_flags_win(monkeypatch) -
     monkeypatch.setenv("ROCFORGE_BIND", "tcp://127.0.0.1:6000")
     monkeypatch.setenv("ROCFORGE_BATCH_INVARIANT", "true")
     monkeypatch.setenv("ROCFORGE_GPU_MEMORY_LIMIT", "1GiB")
+    monkeypatch.setenv("ROCFORGE_KV_CACHE_DTYPE", "fp8")
     monkeypatch.setenv("ROCFORGE_HTTP_API_KEY", "not read: ROCFORGE_API_KEY is the key")
     serve = build_parser().parse_args(["serve"])
     assert (serve.ctx_size, serve.bind) == (512, "tcp://127.0.0.1:6000")
     assert serve.batch_invariant is True
     assert serve.gpu_memory_limit == 1 << 30
+    assert serve.kv_cache_dtype == "fp8"
     assert serve.http_api_key is None
     flags = build_parser().parse_args(["serve", "--ctx-size", "64", "--bind", "ipc:///tmp/x"])
     assert (flags.ctx_size, flags.bind) == (64, "ipc:///tmp/x")
@@ -356,6 +411,7 @@ def test_serve_options_come_from_rocforge_variables_and_flags_win(monkeypatch) -
         ("ROCFORGE_BACKEND", "tpu", "ROCFORGE_BACKEND='tpu': choose from auto, cpu, cuda, hip"),
         ("ROCFORGE_BATCH_INVARIANT", "maybe", "expected 1 or 0"),
         ("ROCFORGE_THREADS", "0", "ROCFORGE_THREADS='0': must be >= 1"),
+        ("ROCFORGE_KV_CACHE_DTYPE", "e4m3", "ROCFORGE_KV_CACHE_DTYPE='e4m3': choose from f16, fp8"),
     ],
 )
 def test_a_bad_rocforge_variable_is_a_usage_error_naming_it(variable, value, said, monkeypatch,

@@ -6,6 +6,7 @@ engines sleep in every op so that long prefills and overlapping generations are
 certain rather than lucky.
 """
 
+import logging
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from rocforge_client import (
     connect,
 )
 from rocforge_rt.engine.engine import Engine
+from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DaemonConfig, ServerError
 from rocforge_rt.server.daemon import Daemon, State
@@ -196,6 +198,7 @@ def test_info_reports_protocol_model_backend_and_limits(client) -> None:
     assert info["backend"] == "cpu" and info["device"]["batch_invariant"] is True
     assert info["limits"]["ctx_size"] == 64 and info["limits"]["max_sessions"] == 2
     assert info["kv"]["pool_bytes"] == 2 * 64 * info["kv"]["bytes_per_token"]
+    assert info["kv"]["dtype"] == "f16"
 
 
 def test_request_ids_are_echoed(peer: Peer) -> None:
@@ -401,6 +404,22 @@ def test_kv_use_is_reported(client) -> None:
     kv = stats["kv"]
     assert kv["slots_in_use"] == 1 and kv["tokens_cached"] == len(PROMPT)
     assert kv["bytes_used"] == len(PROMPT) * client.info()["kv"]["bytes_per_token"]
+    assert kv["dtype"] == "f16"
+
+
+def test_an_fp8_kv_cache_is_half_the_bytes_in_the_log_info_and_stats(tiny_model, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="rocforge.server")
+    with serving(tiny_model, kv_dtype="fp8") as daemon, connect(daemon.endpoint, timeout=10) as c:
+        hp = load_model_file(tiny_model).hparams
+        per_token = hp.n_layer * (hp.kv_dim_k + hp.kv_dim_v)  # a byte an element
+        assert c.info()["kv"] == {"dtype": "fp8", "bytes_per_token": per_token,
+                                  "pool_bytes": 2 * 64 * per_token}  # fmt: skip
+        assert f"KV pool: 2 sessions x 64 tokens x {per_token} bytes (fp8)" in caplog.text
+        assert len(token_ids(c.generate(tokens=PROMPT, max_tokens=3))) == 3
+        c.open(tokens=PROMPT, max_tokens=4)
+        kv = c.stats()["kv"]
+        assert kv["dtype"] == "fp8" and kv["pool_bytes"] == 2 * 64 * per_token
+        assert kv["bytes_used"] == len(PROMPT) * per_token
 
 
 # --- responsiveness, abort, deadlines -----------------------------------------------------------
@@ -630,6 +649,12 @@ def test_a_kv_pool_over_the_memory_limit_fails_fast(tiny_model: Path) -> None:
     message = str(info.value)
     assert "--max-sessions 2 x --ctx-size 64" in message and "(32768 bytes)" in message
     assert "memory limit of" in message and "(100000 bytes)" in message
+    assert "f16 KV pool" in message and "or --kv-cache-dtype fp8" in message
+    with pytest.raises(ServerError) as info:
+        Daemon(DaemonConfig(model=tiny_model, **{**TINY, "memory_limit": 1, "kv_dtype": "fp8"}))
+    message = str(info.value)
+    assert "the fp8 KV pool" in message and "(16384 bytes)" in message
+    assert "--kv-cache-dtype" not in message  # fp8 already
 
 
 def test_an_engine_that_cannot_start_stops_the_daemon_with_its_reason(tiny_model: Path) -> None:

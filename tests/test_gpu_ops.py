@@ -28,6 +28,7 @@ from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.kv_format import KV_DTYPES, float32_to_e4m3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -343,28 +344,42 @@ ATTN_N_CTX, ATTN_CHUNK = 20032, 24  # a chunk past GEMV_MAX_ROWS takes the prefi
 ATTN_TOLERANCE = 1e-3
 
 
+def random_pool(rng: np.random.Generator, shape: tuple[int, ...], kv_dtype: str) -> np.ndarray:
+    """Standard-normal K or V in a pool's format; an fp8 pool also holds every finite byte
+    (0x7f and 0xff are NaN) at random places, subnormals and +-448 included."""
+    normal = rng.standard_normal(shape).astype(np.float32)
+    if kv_dtype == "f16":
+        return normal.astype(np.float16)
+    pool = float32_to_e4m3(normal)
+    finite = np.setdiff1d(np.arange(256, dtype=np.uint8), [0x7F, 0xFF])
+    spots = rng.choice(pool.size, 4 * finite.size, replace=False)
+    pool.reshape(-1)[spots] = np.tile(finite, 4)
+    return pool
+
+
 @pytest.fixture(scope="module")
 def attention_setup():
-    """(GPU, CPU) backends per (head dim, group): 2 KV heads, 2 slots of ATTN_N_CTX random
-    keys and values, the same on both."""
+    """(GPU, CPU) backends per (head dim, group, KV pool format): 2 KV heads, 2 slots of
+    ATTN_N_CTX random keys and values, the same on both."""
     made = {}
 
-    def get(head_dim: int, group: int):
-        if (head_dim, group) not in made:
+    def get(head_dim: int, group: int, kv_dtype: str = "f16"):
+        if (head_dim, group, kv_dtype) not in made:
             n_kv = 2
             n_head = group * n_kv
             hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
-            gpu = create_backend("cuda", hp, n_slots=2, n_ctx=ATTN_N_CTX, max_tokens=ATTN_CHUNK)
-            cpu = CpuBackend(hp, 2, ATTN_N_CTX)
+            gpu = create_backend(
+                "cuda", hp, n_slots=2, n_ctx=ATTN_N_CTX, max_tokens=ATTN_CHUNK, kv_dtype=kv_dtype
+            )
+            cpu = CpuBackend(hp, 2, ATTN_N_CTX, kv_dtype=kv_dtype)
             rng = np.random.default_rng(head_dim * 10 + group)
             shape = (2, ATTN_N_CTX, n_kv, head_dim)
-            keys = rng.standard_normal(shape).astype(np.float16)
-            values = rng.standard_normal(shape).astype(np.float16)
+            keys, values = random_pool(rng, shape, kv_dtype), random_pool(rng, shape, kv_dtype)
             cpu.k_cache[0][:], cpu.v_cache[0][:] = keys, values
             gpu.driver.copy_htod(gpu.workspace.k_cache[0], keys)
             gpu.driver.copy_htod(gpu.workspace.v_cache[0], values)
-            made[head_dim, group] = gpu, cpu
-        return made[head_dim, group]
+            made[head_dim, group, kv_dtype] = gpu, cpu
+        return made[head_dim, group, kv_dtype]
 
     return get
 
@@ -382,10 +397,12 @@ def chunk_reaching(context: int) -> StepBatch:
 
 @pytest.mark.parametrize(("head_dim", "group"), ATTN_SHAPES)
 @pytest.mark.parametrize("context", ATTN_CONTEXTS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_prefill_and_decode_attention_match_the_cpu_across_key_tiles(
-    attention_setup, head_dim, group, context
+    attention_setup, head_dim, group, context, kv_dtype
 ):
-    gpu, cpu = attention_setup(head_dim, group)
+    """Over either pool format: an fp8 pool's values reach both as their exact fp16 values."""
+    gpu, cpu = attention_setup(head_dim, group, kv_dtype)
     hp = gpu.hparams
     rng = np.random.default_rng(context)
     chunk = chunk_reaching(context)
@@ -402,12 +419,13 @@ def test_prefill_and_decode_attention_match_the_cpu_across_key_tiles(
 @pytest.mark.parametrize(("head_dim", "group"), ATTN_SHAPES)
 @pytest.mark.parametrize("context", ATTN_CONTEXTS)
 @pytest.mark.parametrize(
-    ("wave", "fold_kernel_min_tiles"),
-    [("device", FOLD_KERNEL_MIN_TILES), (1, FOLD_KERNEL_MIN_TILES), ("device", 1),
-     ("device", 10**6)],
+    ("wave", "fold_kernel_min_tiles", "kv_dtype"),
+    [("device", FOLD_KERNEL_MIN_TILES, "f16"), (1, FOLD_KERNEL_MIN_TILES, "f16"),
+     ("device", 1, "f16"), ("device", 10**6, "f16"), ("device", FOLD_KERNEL_MIN_TILES, "fp8"),
+     (1, 1, "fp8")],
 )  # fmt: skip
 def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kernel(
-    attention_setup, monkeypatch, head_dim, group, context, wave, fold_kernel_min_tiles
+    attention_setup, monkeypatch, head_dim, group, context, wave, fold_kernel_min_tiles, kv_dtype
 ):
     """Each token of a chunk (the prefill kernel, rows of several tokens per fragment),
     decoded in steps of up to GEMV_MAX_ROWS tokens (the decode kernel, the context split
@@ -416,8 +434,9 @@ def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kerne
     tiles each, where the stage holds them, when one a block would overflow `wave` blocks
     (the device's wave, or 1: always), and a step whose context reaches
     `fold_kernel_min_tiles` tiles (the default; 1: every step; 10**6: none) folds the
-    parts in rf_attention_fold instead of the decode kernel's last blocks."""
-    gpu, _ = attention_setup(head_dim, group)
+    parts in rf_attention_fold instead of the decode kernel's last blocks. Over either pool
+    format (kv_dtype)."""
+    gpu, _ = attention_setup(head_dim, group, kv_dtype)
     if wave != "device":
         monkeypatch.setattr(gpu.attention, "decode_wave", wave)
     monkeypatch.setattr(gpu.attention, "fold_kernel_min_tiles", fold_kernel_min_tiles)
@@ -464,19 +483,53 @@ def test_smollm2_on_the_gpu_agrees_with_llamacpp(engines, reference):
     assert hits / total >= 0.9
 
 
+@pytest.fixture(scope="module")
+def fp8_engines(default_model):
+    return tuple(
+        Engine.load(default_model, backend=backend, n_ctx=512, kv_dtype="fp8")
+        for backend in ("cpu", "cuda")
+    )
+
+
 def test_gpu_follows_the_cpu_q8_mode_teacher_forced_over_128_positions(engines, reference):
-    cpu, gpu = engines
+    got, ref = teacher_forced_logits(*engines, reference)
+    # No systematic drift, only rounding-order noise: a different fp32 summation order
+    # flips some int8 roundings of the next layer's input, and over 30 layers that moves
+    # logits by ~0.15 on average here (0.14-0.15 for every order tried, exact fp64 sums
+    # included, in a CPU emulation); a wrong scale or position moves them by whole units.
+    assert np.mean(np.abs(got - ref)) < 0.25
+
+
+def test_over_an_fp8_kv_pool_smollm2_stays_near_llamacpp_and_the_cpu(fp8_engines, reference):
+    """fp8 K/V cost some accuracy, within bounds: teacher forced against llama.cpp's fp16
+    runs, 44 of 48 greedy tokens agreed on an H200 (fp16 pool: 46), every prompt's top 10
+    shared 9 tokens with llama.cpp's, and the top-20 logits were at most 0.88 off (fp16:
+    0.57). The CPU's confident argmaxes agree; its logits differ more than over an fp16
+    pool (a last-bit difference in a k can move its fp8 rounding by a whole step)."""
+    cpu, gpu = fp8_engines
+    teacher_forced_logits(cpu, gpu, reference)
+    hits = total = 0
+    for case in reference["cases"]:
+        logits = gpu.logits(case["ids"])[-1]
+        assert max(abs(float(logits[t]) - v) for t, v in case["top20"]) <= 1.5, case["prompt"]
+        ours = set(np.argsort(-logits)[:10].tolist())
+        assert len(ours & {t for t, _ in case["top20"][:10]}) >= 8
+        predicted = np.argmax(gpu.logits(case["ids"] + case["greedy"][:-1]), axis=-1)
+        hits += int(np.sum(predicted[len(case["ids"]) - 1 :] == np.array(case["greedy"])))
+        total += len(case["greedy"])
+    assert hits / total >= 0.85
+
+
+def teacher_forced_logits(cpu: Engine, gpu: Engine, reference) -> tuple[np.ndarray, np.ndarray]:
+    """Both engines' logits over 128 teacher-forced positions (GPU, CPU), after checking
+    that their confident argmaxes (top two 0.5 apart on the CPU) agree."""
     sequence = reference["cases"][0]["ids"] + list(range(1000, 1124))
     ref = cpu.logits(sequence)
     got = gpu.logits(sequence)
     top2 = np.sort(ref, axis=-1)[:, -2:]
     confident = (top2[:, 1] - top2[:, 0]) >= 0.5
     assert np.array_equal(np.argmax(got, -1)[confident], np.argmax(ref, -1)[confident])
-    # No systematic drift, only rounding-order noise: a different fp32 summation order
-    # flips some int8 roundings of the next layer's input, and over 30 layers that moves
-    # logits by ~0.15 on average here (0.14-0.15 for every order tried, exact fp64 sums
-    # included, in a CPU emulation); a wrong scale or position moves them by whole units.
-    assert np.mean(np.abs(got - ref)) < 0.25
+    return got, ref
 
 
 def test_batch_invariant_greedy_decode_equals_its_own_teacher_forced_logits(

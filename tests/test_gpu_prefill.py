@@ -24,6 +24,7 @@ from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.kv_format import E4M3_HALF_BITS, KV_DTYPES, float32_to_e4m3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,6 +35,7 @@ KS = [576, 1536, 2048, 4096, 14336]
 NS = [192, 576, 960, 3072]
 MAX_ROWS = 4096  # the backends' buffers; the epilogue tests take up to 128 rows
 GEMMS = ("int8", "vendor")
+KV_HOST_DTYPES = {"f16": np.float16, "fp8": np.uint8}  # a KV pool element read back
 
 
 def row_counts(k: int, n: int) -> tuple[int, int]:
@@ -213,14 +215,17 @@ def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
                 assert np.array_equal(batch, prompt[:rows]), (rows, choice)
 
 
-def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu, kv_dtype):
     """The QKV GEMV's and MMV's RoPE + KV-append epilogue (decode rows) and the GEMM + rope
-    kernel (a prompt chunk) write bit-identical q and KV rows, and both follow the CPU."""
+    kernel (a prompt chunk) write bit-identical q and KV rows, into either pool format, and
+    both follow the CPU."""
     hp = hparams()
     n_ctx, chunk_rows = 96, MMV_MAX_ROWS + 16
     gpu = create_backend(
-        "cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=chunk_rows, batch_invariant=True
-    )
+        "cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=chunk_rows, batch_invariant=True,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     rng = np.random.default_rng(12)
     parts = [weight(rng, n, hp.n_embd, name=name)
              for n, name in ((hp.q_dim, "q"), (hp.kv_dim_k, "k"), (hp.kv_dim_v, "v"))]  # fmt: skip
@@ -237,7 +242,7 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
         q = gpu.to_host(gpu.norm_qkv_rope(gpu.load_activation(x[:rows]), gain, wqkv, 0, batch))
         caches = []
         for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
-            host = np.empty((n_ctx, hp.kv_dim_k), dtype=np.float16)
+            host = np.empty((n_ctx, hp.kv_dim_k), dtype=KV_HOST_DTYPES[kv_dtype])
             gpu.driver.copy_dtoh(host, buf)
             caches.append(host[3 : 3 + rows])
         return q, *caches
@@ -251,6 +256,36 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu):
     batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
     q_ref = CpuBackend(hp, 1, n_ctx).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3
+
+
+def test_an_fp8_pool_holds_each_value_rounded_as_the_reference_rounds_it():
+    """V passes RoPE unrotated, so the rope kernel's fp8 pool holds exactly
+    float32_to_e4m3 of each v: ties (to even), subnormals, saturation at +-448 (infinities
+    too), NaN and signed zeros among them."""
+    hp = hparams()
+    rows = 64
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=rows, max_tokens=rows, kv_dtype="fp8")
+    rng = np.random.default_rng(3)
+    width = hp.q_dim + hp.kv_dim_k + hp.kv_dim_v
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    finite = E4M3_HALF_BITS.view(np.float16)[np.isfinite(E4M3_HALF_BITS.view(np.float16))]
+    finite = np.sort(finite.astype(np.float32))
+    edges = np.concatenate([
+        finite, (finite[1:] + finite[:-1]) / 2, np.nextafter(finite, np.float32(np.inf)),
+        np.nextafter(finite, np.float32(-np.inf)),
+        np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0, 448.0, 464.0, 465.0, 1e30, 2.0**-10]),
+        rng.standard_normal(4096).astype(np.float32) * np.float32(10.0) ** rng.uniform(-4, 3, 4096),
+    ]).astype(np.float32)  # fmt: skip
+    v = np.resize(edges, (rows, hp.kv_dim_v))
+    qkv[:, hp.q_dim + hp.kv_dim_k :] = v
+    assert edges.size <= v.size
+    batch = StepBatch.prefill(list(range(rows)), 0, 0)
+    gpu.write_step_state(batch)
+    gpu.driver.copy_htod(gpu.workspace.qkv, qkv)
+    gpu.rope(Activation(gpu.workspace.qkv, rows, width), 0)
+    pool = np.empty((rows, hp.kv_dim_v), dtype=np.uint8)
+    gpu.driver.copy_dtoh(pool, gpu.workspace.v_cache[0])
+    assert np.array_equal(pool, float32_to_e4m3(v))
 
 
 def test_batch_invariant_prefill_chunk_equals_prefill_then_decode(synthetic_model):

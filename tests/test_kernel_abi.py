@@ -202,7 +202,21 @@ def test_every_call_site_of_the_backend_passes_its_kernels_declared_arguments() 
     }  # fmt: skip
 
 
-def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
+def test_an_fp8_kv_pool_takes_the_fp8_form_of_every_kernel_that_reads_or_writes_it() -> None:
+    """With kv_dtype="fp8" the same steps launch the _fp8 kernels wherever the KV pool is
+    read or written (RoPE + KV-append, attention), with their declared arguments, and no
+    kernel of the fp16 pool."""
+    launched = kernels_of_steps_on_a_fake_device("graph", kv_dtype="fp8")
+    pool = {k for k in launched if re.search(r"rope|rf_attention_(decode|prefill)", k)}
+    assert pool and all(kernel.endswith("_fp8") for kernel in pool)
+    families = {re.sub(r"_n\d|_k\d_m\d|_d\d+", "", kernel) for kernel in pool}
+    assert families == {
+        "rf_rope_kv_append_fp8", "rf_attention_prefill_fp8", "rf_gemv_q4_0_b1_rope_fp8",
+        "rf_gemv_q4_0_b8_rope_fp8", "rf_attention_decode_fp8", "rf_mmv_q4_0_t1_rope_fp8",
+    }  # fmt: skip
+
+
+def kernels_of_steps_on_a_fake_device(mode: str, kv_dtype: str = "f16") -> set[str]:
     hp = hparams(n_vocab=512)
     sampled = RowSampling.of([Sampler(SamplingParams(temperature=1.0, logprobs=2))] * 2)
     chunk = MMV_MAX_ROWS + 6
@@ -216,7 +230,7 @@ def kernels_of_steps_on_a_fake_device(mode: str) -> set[str]:
     with FakeDriver(signatures()) as driver:
         gpu = GpuBackend(
             driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=chunk, mode=mode,
-            batch_invariant=True,
+            batch_invariant=True, kv_dtype=kv_dtype,
         )  # fmt: skip
         model = random_model(gpu, hp, np.random.default_rng(1))
         gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3

@@ -64,8 +64,9 @@ def device_memory_bytes(name: str) -> int:
 def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
 
-    Options: `activations` ('q8' or 'f32') and `threads` (None: the physical cores) for the
-    CPU; `max_tokens`, `mode`
+    Options: `kv_dtype` ('f16', the default, or 'fp8': the KV pool's elements,
+    `step/kv_format.py`) for every backend; `activations` ('q8' or 'f32') and `threads`
+    (None: the physical cores) for the CPU; `max_tokens`, `mode`
     (per-kernel-sync, deferred, graph), `overlap` (programmatic dependent launch, on by
     default where the device has it), `batch_invariant` (prompt chunks on the int8
     GEMM instead of the vendor GEMM) and `lookahead` (pipelined decode in graph mode, on by

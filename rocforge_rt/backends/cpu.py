@@ -3,7 +3,8 @@
 Q4_0 and Q8_0 weights stay quantized in memory: their blocks' packed quants and fp16 scales
 (`BlockMatrix`), the file's bytes, read from it a tile at a time; F16/F32 ones are
 dequantized to float32 at load.
-The KV pool is float16, as on the GPU and in llama.cpp. Matmul inputs are, by default,
+The KV pool is float16, as on the GPU and in llama.cpp, or fp8 E4M3 bytes (`kv_dtype="fp8"`,
+`step/kv_format.py`). Matmul inputs are, by default,
 quantized to int8 per 32-element block first (`activations="q8"`): the arithmetic of the
 GPU's dp4a GEMVs and of llama.cpp's Q4_0 x Q8_0 dot products, so results compare tightly
 with both. `activations="f32"` keeps them float32 (and the weights' float32 expansion,
@@ -49,10 +50,15 @@ from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import StepOutput
+from rocforge_rt.step.kv_format import check_kv_dtype, float32_to_e4m3
 from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32  # elements per quant block; the canonical sum takes them in stages of two
+
+# The KV pool's arrays per format, and the bits `attend` reads them as.
+_POOL_DTYPES = {"f16": np.float16, "fp8": np.uint8}
+_POOL_BITS = {"f16": np.uint16, "fp8": np.uint8}
 
 # GGUF block layouts: bytes per block (an f16 scale, then the quants).
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
@@ -304,11 +310,11 @@ def q8_matmul(x: np.ndarray, weight: BlockMatrix) -> np.ndarray:
     return out
 
 
-def compile_kernels() -> None:
+def compile_kernels(kv_dtype: str = "f16") -> None:
     """Compile (or load from numba's cache) the kernels a step takes, for the argument types
     it gives them: the matmul of both weight layouts, RMSNorm (its gain read-only, as a
-    model file's), RoPE (of one row, and of a chunk's rows: strided), attention over the
-    fp16 KV pool."""
+    model file's), RoPE (of one row, and of a chunk's rows: strided), attention over a KV
+    pool of `kv_dtype`."""
     x = np.ones((1, Q8_BLOCK), dtype=np.float32)
     for packed in (np.zeros((1, 1, 16), np.uint8), np.zeros((1, 1, 32), np.int8)):
         q8_matmul(x, BlockMatrix.from_blocks(packed, np.ones((1, 1), dtype=np.float16)))
@@ -320,7 +326,8 @@ def compile_kernels() -> None:
         positions = np.zeros(len(rows), dtype=np.int32)
         rope_rows(rows, positions, table, table, np.empty(rows.shape, dtype=np.float32))
     head = np.ones((1, 1, Q8_BLOCK), dtype=np.float32)
-    keys_t, values = np.zeros((1, Q8_BLOCK, 1), np.uint16), np.zeros((1, 1, Q8_BLOCK), np.uint16)
+    bits = _POOL_BITS[check_kv_dtype(kv_dtype)]
+    keys_t, values = np.zeros((1, Q8_BLOCK, 1), bits), np.zeros((1, 1, Q8_BLOCK), bits)
     with PARALLEL_KERNELS:
         attend(head, keys_t, values, np.zeros(1, np.int64), np.float32(1), np.empty_like(head))
 
@@ -397,14 +404,17 @@ class CpuBackend:
         activations: str = "q8",
         lookahead: bool = False,
         threads: int | None = None,
+        kv_dtype: str = "f16",
     ) -> None:
         """`lookahead`: take part in pipelined decode (StepRunner) the lazy way: a step
         issued ahead runs when it is taken, and not at all when it is dropped. The host has
         nothing to overlap it with, so it is off by default; the engine's tests turn it on.
         `threads`: the matmul's threads (numba's pool) and the BLAS pools' limit; None: the
-        physical cores, at most numba's maximum."""
+        physical cores, at most numba's maximum. `kv_dtype`: the KV pool's elements, "f16"
+        or "fp8" (`step/kv_format.py`)."""
         if activations not in ("q8", "f32"):
             raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS)
@@ -416,14 +426,16 @@ class CpuBackend:
         # The step issued ahead: the step before it, its output, and the forward to run.
         self._ahead: tuple[StepBatch, StepOutput, Callable[[StepBatch], np.ndarray]] | None = None
         self.n_ctx = n_ctx
-        # The KV pool, float16. Keys are held positions innermost ([slot, KV head, dim,
-        # position]: `attend` reads them along positions); `k_cache` is each layer's view of
-        # them as [slot, position, KV head, dim], the layout of `v_cache` and the GPU's.
+        # The KV pool: float16, or fp8 E4M3 bytes (uint8). Keys are held positions innermost
+        # ([slot, KV head, dim, position]: `attend` reads them along positions); `k_cache` is
+        # each layer's view of them as [slot, position, KV head, dim], the layout of
+        # `v_cache` and the GPU's.
         shape_k = (n_slots, hparams.n_head_kv, hparams.head_dim_k, n_ctx)
         shape_v = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_v)
-        self.keys_t = [np.zeros(shape_k, dtype=np.float16) for _ in range(hparams.n_layer)]
+        pool = _POOL_DTYPES[self.kv_dtype]
+        self.keys_t = [np.zeros(shape_k, dtype=pool) for _ in range(hparams.n_layer)]
         self.k_cache = [keys.transpose(0, 3, 1, 2) for keys in self.keys_t]
-        self.v_cache = [np.zeros(shape_v, dtype=np.float16) for _ in range(hparams.n_layer)]
+        self.v_cache = [np.zeros(shape_v, dtype=pool) for _ in range(hparams.n_layer)]
         self.rope_cos, self.rope_sin = rope_tables(hparams, n_ctx)
         self.attention_scale = np.float32(1.0 / np.sqrt(hparams.head_dim_k))
         # The step being run and its rows by slot (`slot_runs`), found once for all layers.
@@ -432,7 +444,7 @@ class CpuBackend:
     def device_info(self) -> dict[str, object]:
         # Row-independent matmuls: a token's logits do not depend on the rows beside it.
         return {"backend": self.name, "device": "cpu", "threads": self.threads,
-                "batch_invariant": True}  # fmt: skip
+                "batch_invariant": True, "kv_dtype": self.kv_dtype}  # fmt: skip
 
     def to_host(self, values: np.ndarray) -> np.ndarray:
         return values
@@ -486,7 +498,7 @@ class CpuBackend:
         """Compile the kernels now (the daemon's warm-up, before `ready`), not on the first
         step."""
         numba.set_num_threads(self.threads)
-        compile_kernels()
+        compile_kernels(self.kv_dtype)
 
     # --- weights -------------------------------------------------------------------
     def weights_uploaded(self, tensors: Iterable[WeightTensor]) -> None:
@@ -541,16 +553,23 @@ class CpuBackend:
 
     def rope_kv_append(self, qkv: np.ndarray, layer: int, batch: StepBatch) -> np.ndarray:
         """Adjacent-pair RoPE of q's and k's heads (one compiled pass, `rope_rows`) at the
-        rows' positions; k and v into the KV pool."""
+        rows' positions; k and v into the KV pool, in its format (fp16: numpy's cast; fp8:
+        `float32_to_e4m3`), from float32."""
         hp = self.hparams
         n, heads = qkv.shape[0], hp.n_head + hp.n_head_kv
         qk = qkv[:, : hp.q_dim + hp.kv_dim_k].reshape(n, heads, hp.head_dim_k)
         rotated = np.empty(qk.shape, dtype=np.float32)
         rope_rows(qk, batch.positions, self.rope_cos, self.rope_sin, rotated)
         v = qkv[:, hp.q_dim + hp.kv_dim_k :].reshape(n, hp.n_head_kv, hp.head_dim_v)
-        self.k_cache[layer][batch.slots, batch.positions] = rotated[:, hp.n_head :]
-        self.v_cache[layer][batch.slots, batch.positions] = v
+        entries = (batch.slots, batch.positions)
+        self.k_cache[layer][entries] = self._pool_elements(rotated[:, hp.n_head :])
+        self.v_cache[layer][entries] = self._pool_elements(v)
         return rotated[:, : hp.n_head]
+
+    def _pool_elements(self, x: np.ndarray) -> np.ndarray:
+        """float32 values as the pool takes them: as they are for fp16 (the assignment casts
+        them, to nearest even), as fp8 E4M3 bytes for fp8."""
+        return float32_to_e4m3(x) if self.kv_dtype == "fp8" else x
 
     def attention(self, q: np.ndarray, layer: int, batch: StepBatch) -> np.ndarray:
         """Causal grouped-query attention of each token over its own slot's cache.
@@ -565,9 +584,10 @@ class CpuBackend:
         if planned is not batch:
             runs = slot_runs(batch)
             self._runs = (batch, runs)
+        bits = _POOL_BITS[self.kv_dtype]  # what `attend` reads: fp16 bits, or fp8 bytes
         for run in runs:
-            keys = self.keys_t[layer][run.slot].view(np.uint16)  # [Hkv, D, n_ctx]
-            values = self.v_cache[layer][run.slot].view(np.uint16)  # [n_ctx, Hkv, D]
+            keys = self.keys_t[layer][run.slot].view(bits)  # [Hkv, D, n_ctx]
+            values = self.v_cache[layer][run.slot].view(bits)  # [n_ctx, Hkv, D]
             mixed = out[run.rows]  # a view of the rows where they are a slice, else a copy
             with PARALLEL_KERNELS:
                 attend(queries[run.rows], keys, values, run.positions, self.attention_scale, mixed)

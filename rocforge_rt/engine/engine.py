@@ -162,9 +162,10 @@ class Engine:
         **backend_options: Any,
     ) -> "Engine":
         """Load a GGUF (or a model file already read) onto a backend; `backend_options` go to
-        create_backend. `threads`: the CPU backend's threads (None: the physical cores; the
-        GPU backends ignore it). `should_stop` is asked before each stage and between layers of the
-        upload: when it says yes, LoadCancelled is raised."""
+        create_backend (`kv_dtype="fp8"`: an fp8 KV pool). `threads`: the CPU backend's
+        threads (None: the physical cores; the GPU backends ignore it). `should_stop` is
+        asked before each stage and between layers of the upload: when it says yes,
+        LoadCancelled is raised."""
         model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
         _stop_point(should_stop)
@@ -182,6 +183,12 @@ class Engine:
             slots=slots,
             should_stop=should_stop,
         )
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's element format (`kv_format.KV_DTYPES`): the backend's, "f16" where
+        a backend does not say."""
+        return getattr(self.backend, "kv_dtype", "f16")
 
     # --- sessions ----------------------------------------------------------------------
     def open_session(

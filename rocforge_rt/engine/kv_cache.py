@@ -1,21 +1,22 @@
-"""KV pool bookkeeping: one preallocated fp16 pool of slots, each a whole context window."""
+"""KV pool bookkeeping: one preallocated pool of slots, each a whole context window, its
+elements in the format chosen at load (`kv_format`: fp16 by default, or fp8)."""
 
 import threading
 
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.model.hparams import HParams
+from rocforge_rt.step.kv_format import kv_element_bytes
 
-KV_BYTES_PER_ELEMENT = 2  # fp16, as llama.cpp
 
-
-def kv_bytes_per_token(hparams: HParams) -> int:
-    """Bytes of K and V one token occupies across all layers."""
+def kv_bytes_per_token(hparams: HParams, kv_dtype: str = "f16") -> int:
+    """Bytes of K and V one token occupies across all layers, in the pool's format."""
     per_layer = hparams.kv_dim_k + hparams.kv_dim_v
-    return hparams.n_layer * per_layer * KV_BYTES_PER_ELEMENT
+    return hparams.n_layer * per_layer * kv_element_bytes(kv_dtype)
 
 
-def kv_pool_bytes(hparams: HParams, n_slots: int, n_ctx: int) -> int:
-    return kv_bytes_per_token(hparams) * n_slots * n_ctx
+def kv_pool_bytes(hparams: HParams, n_slots: int, n_ctx: int, kv_dtype: str = "f16") -> int:
+    """Bytes of the whole pool: n_slots windows of n_ctx tokens."""
+    return kv_bytes_per_token(hparams, kv_dtype) * n_slots * n_ctx
 
 
 class SlotAllocator:

@@ -37,6 +37,7 @@ from rocforge_rt.server.config import (
 from rocforge_rt.server.front_process import FrontProcess, connect_address, front_command
 from rocforge_rt.server.logs import add_log_options, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen
+from rocforge_rt.step.kv_format import KV_DTYPES
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"
 REPLY_TIMEOUT_S = 60.0  # a generation's reply can wait for a long prefill
@@ -90,6 +91,7 @@ def _serve(args: argparse.Namespace) -> None:
         bind=args.bind,
         ctx_size=args.ctx_size,
         max_sessions=args.max_sessions,
+        kv_dtype=args.kv_cache_dtype,
         memory_limit=args.gpu_memory_limit,
         threads=args.threads,
         idle_timeout_s=args.idle_timeout,
@@ -457,6 +459,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "1024",
         "--max-sessions",
         "2",
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         "--log-level",
         "warning",
     ]
@@ -652,6 +656,16 @@ BATCH_INVARIANT_HELP = (
 THREADS_HELP = "CPU backend threads (default: the physical cores); other backends ignore it"
 MODEL_HELP = "GGUF path (default: the SmolLM2 Q4_0 default model, built on first use)"
 BACKEND_HELP = "auto: a GPU if any, else cpu"
+KV_CACHE_DTYPE_HELP = (
+    "the KV cache's elements: f16, or fp8 (E4M3, as vLLM's fp8: half the KV memory, lossy)"
+)
+
+
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype: the KV pool's format (step/kv_format.py), f16 by default."""
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_DTYPES, default="f16", help=KV_CACHE_DTYPE_HELP
+    )
 
 
 def thread_count(text: str) -> int:
@@ -694,6 +708,7 @@ def add_server_commands(sub: Any) -> None:
     serve.add_argument(
         "--max-sessions", type=int, default=4, metavar="N", help="sessions (KV slots)"
     )
+    add_kv_cache_dtype_option(serve)
     serve.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)
     serve.add_argument(
         "--gpu-memory-limit",
@@ -856,5 +871,6 @@ def add_server_commands(sub: Any) -> None:
         "--max-tokens", type=int, default=48, metavar="N", help="tokens to generate at most"
     )
     demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
+    add_kv_cache_dtype_option(demo)
     add_location_options(demo)
     demo.set_defaults(func=_cmd_demo)

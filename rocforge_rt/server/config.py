@@ -23,6 +23,7 @@ from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.server.jobs import Limits
 from rocforge_rt.step.forward import held_together
+from rocforge_rt.step.kv_format import KV_DTYPES
 
 log = logging.getLogger("rocforge.server")
 
@@ -48,6 +49,7 @@ class DaemonConfig:
     ctx_size: int = 2048
     max_sessions: int = 4
     memory_limit: int | None = None  # bytes for weights + KV pool; None: the device (or host RAM)
+    kv_dtype: str = "f16"  # the KV pool's elements: "f16" or "fp8" (step/kv_format.py)
     threads: int | None = None  # the CPU backend's threads; None: the physical cores
     idle_timeout_s: float = 300.0
     max_prompt_tokens: int | None = None  # None: the context size - 1
@@ -68,16 +70,25 @@ def _mib(n: int) -> str:
 
 
 def check_memory(
-    *, kv_bytes: int, weights_bytes: int, max_sessions: int, n_ctx: int, limit: int
+    *,
+    kv_bytes: int,
+    weights_bytes: int,
+    max_sessions: int,
+    n_ctx: int,
+    limit: int,
+    kv_dtype: str = "f16",
 ) -> None:
-    """Fail fast when the weights and the KV pool do not fit the memory limit."""
+    """Fail fast when the weights and the KV pool (of `kv_dtype`) do not fit the memory
+    limit."""
     need = kv_bytes + weights_bytes
     if need > limit:
+        smaller = " or --kv-cache-dtype fp8" if kv_dtype == "f16" else ""
         raise ServerError(
-            f"the KV pool for --max-sessions {max_sessions} x --ctx-size {n_ctx} needs"
-            f" {_mib(kv_bytes)} ({kv_bytes} bytes) and the weights {_mib(weights_bytes)}:"
-            f" {_mib(need)} in all, over the memory limit of {_mib(limit)} ({limit} bytes);"
-            " lower --ctx-size or --max-sessions, or raise --gpu-memory-limit"
+            f"the {kv_dtype} KV pool for --max-sessions {max_sessions} x --ctx-size {n_ctx}"
+            f" needs {_mib(kv_bytes)} ({kv_bytes} bytes) and the weights"
+            f" {_mib(weights_bytes)}: {_mib(need)} in all, over the memory limit of"
+            f" {_mib(limit)} ({limit} bytes); lower --ctx-size or --max-sessions{smaller},"
+            " or raise --gpu-memory-limit"
         )
 
 
@@ -95,6 +106,10 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
     checks = (
         (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
         (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
+        (
+            config.kv_dtype in KV_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {config.kv_dtype!r}",
+        ),
         (config.idle_timeout_s > 0, f"--idle-timeout must be > 0, got {config.idle_timeout_s}"),
         (config.prefill_chunk >= 1, f"prefill chunk must be >= 1, got {config.prefill_chunk}"),
         (config.max_request_bytes >= 1024, "max request bytes must be >= 1024"),
@@ -124,7 +139,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         log.warning(
             "--ctx-size %d lowered to the model's trained context %d", config.ctx_size, n_ctx
         )
-    kv = kv_pool_bytes(hp, config.max_sessions, n_ctx)
+    kv = kv_pool_bytes(hp, config.max_sessions, n_ctx, config.kv_dtype)
     limit = config.memory_limit
     resolved = resolve_backend_name(config.backend)
     if limit is None:
@@ -137,12 +152,14 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         max_sessions=config.max_sessions,
         n_ctx=n_ctx,
         limit=limit,
+        kv_dtype=config.kv_dtype,
     )
     log.info(
-        "KV pool: %d sessions x %d tokens x %d bytes = %s",
+        "KV pool: %d sessions x %d tokens x %d bytes (%s) = %s",
         config.max_sessions,
         n_ctx,
-        kv_bytes_per_token(hp),
+        kv_bytes_per_token(hp, config.kv_dtype),
+        config.kv_dtype,
         _mib(kv),
     )
     limits = Limits(
@@ -167,6 +184,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             batch_invariant=config.batch_invariant,
             lookahead=config.pipelined_decode,
             threads=config.threads,
+            kv_dtype=config.kv_dtype,
             slots=slots,
             should_stop=should_stop,
         )

@@ -191,7 +191,7 @@ class EngineLoop:
     def _describe(self) -> dict[str, Any]:
         """The model, backend, device and KV pool, for `info`."""
         engine = self.engine
-        hp = engine.hparams
+        hp, kv_dtype = engine.hparams, engine.kv_dtype
         return {
             "model": {
                 "path": Path(engine.model.path).name,  # the file name: no absolute path
@@ -208,8 +208,9 @@ class EngineLoop:
             "backend": engine.backend.name,
             "device": engine.backend.device_info(),
             "kv": {
-                "bytes_per_token": kv_bytes_per_token(hp),
-                "pool_bytes": kv_pool_bytes(hp, engine.slots.n_slots, engine.n_ctx),
+                "dtype": kv_dtype,
+                "bytes_per_token": kv_bytes_per_token(hp, kv_dtype),
+                "pool_bytes": kv_pool_bytes(hp, engine.slots.n_slots, engine.n_ctx, kv_dtype),
             },
         }
 

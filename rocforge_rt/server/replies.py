@@ -162,8 +162,8 @@ def usage_map(
 ) -> dict[str, Any]:
     """Sessions open and running, and the KV pool's use (part of the `stats` reply)."""
     cached = sum(session.n_past for session in sessions)
-    per_token = kv_bytes_per_token(engine.hparams)
-    pool = kv_pool_bytes(engine.hparams, engine.slots.n_slots, engine.n_ctx)
+    per_token = kv_bytes_per_token(engine.hparams, engine.kv_dtype)
+    pool = kv_pool_bytes(engine.hparams, engine.slots.n_slots, engine.n_ctx, engine.kv_dtype)
     return {
         "sessions": {
             "open": len(sessions),
@@ -175,6 +175,7 @@ def usage_map(
             "slots_in_use": engine.slots.in_use,
             "slots": engine.slots.n_slots,
             "tokens_cached": cached,
+            "dtype": engine.kv_dtype,
             "bytes_used": cached * per_token,
             "pool_bytes": pool,
             "use": cached * per_token / pool,

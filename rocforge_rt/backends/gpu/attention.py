@@ -1,4 +1,4 @@
-"""Attention over the fp16 KV pool (kernels/attention.hip): decode and prompt-chunk kernels.
+"""Attention over the KV pool (kernels/attention.hip): decode and prompt-chunk kernels.
 
 Both run one arithmetic on the fp16 matrix units (64-position key tiles folded in
 order) and read each K/V row once for a KV head's group of query heads, so a token
@@ -9,7 +9,8 @@ between such runs the decode kernel (a block per tile, or per two tiles in a lau
 would not run in one wave, folded by the last block to finish, or past
 FOLD_KERNEL_MIN_TILES tiles by rf_attention_fold launched after it; a context of a tile
 or two, by head dim, in one block), in pieces of at most the
-workspace's `attn_decode_rows`. Both have one kernel per head dim. Each launch reads
+workspace's `attn_decode_rows`. Both have one kernel per head dim and pool format (_fp8:
+an fp8 pool, widened to fp16 as it is staged: the same arithmetic). Each launch reads
 its rows through pointers advanced to its first row, so a ragged step (several
 sequences' prompt chunks and decode rows) is one pass; a decode step is one launch. In a
 one-row step the kernel that writes the output row (the decode kernel, or the fold
@@ -128,7 +129,10 @@ class Attention:
         # (1,032 one-tile blocks, two waves), while two tiles always lost 3.8% at 4096 (520,
         # one wave already); batches on an H100, the attention kernel 8-18% faster at depth
         # 512-4096 with 8-32 rows. 0: one tile a block always (A/B lever).
-        decode = launcher.functions[f"rf_attention_decode_d{hparams.head_dim_k}"]
+        suffix = f"d{hparams.head_dim_k}{workspace.kv_kernel_suffix}"
+        self._decode_kernel = f"rf_attention_decode_{suffix}"
+        self._prefill_kernel = f"rf_attention_prefill_{suffix}"
+        decode = launcher.functions[self._decode_kernel]
         self.decode_wave = driver.info.multiprocessors * driver.blocks_per_multiprocessor(
             decode, ATTN_WARPS * 32
         )
@@ -177,7 +181,7 @@ class Attention:
         tokens = ATTN_PREFILL_ROWS // hp.gqa_group  # rows (token, head of the group)
         self._launch(
             ("attention-prefill", layer, index),
-            f"rf_attention_prefill_d{hp.head_dim_k}",
+            self._prefill_kernel,
             (hp.n_head_kv, math.ceil(rows / tokens), 1),
             (ATTN_WARPS * 32, 1, 1),  # 32-lane groups, whatever the warp size
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, rows,
@@ -197,7 +201,7 @@ class Attention:
         q_ptr, positions, slots, out = self._row_pointers(q, launch.first)
         self._launch(
             ("attention", layer, index, fold_apart),
-            f"rf_attention_decode_d{hp.head_dim_k}",
+            self._decode_kernel,
             (hp.n_head_kv, launch.rows, ws.attn_tiles),
             (ATTN_WARPS * 32, 1, 1),
             (q_ptr, ws.k_cache[layer].ptr, ws.v_cache[layer].ptr, positions, slots, self.n_ctx,

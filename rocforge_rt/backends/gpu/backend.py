@@ -30,6 +30,7 @@ from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import StepOutput
+from rocforge_rt.step.kv_format import check_kv_dtype
 
 # Logits rows a step may ask for, at least (more where there are more sessions): a
 # prompt chunk asks for one, a teacher-forced one (Engine.logits) for up to this many.
@@ -64,9 +65,11 @@ class GpuBackend:
         overlap: bool = True,
         batch_invariant: bool = False,
         lookahead: bool = True,
+        kv_dtype: str = "f16",
     ) -> None:
         check_mode(mode)
         check_attention_shapes(hparams)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.driver = driver
         self.name = driver.info.vendor
         self.hparams = hparams
@@ -85,6 +88,7 @@ class GpuBackend:
             max_tokens=max_tokens,
             max_logit_rows=min(max_tokens, max(n_slots, MIN_LOGIT_ROWS)),
             vendor_gemm=not batch_invariant,
+            kv_dtype=kv_dtype,
         )
         vendor_gemm = None
         if not batch_invariant:
@@ -175,6 +179,7 @@ class GpuBackend:
             "prompt_gemm": "int8" if self.batch_invariant else self.matmul.vendor_gemm.library,
             "max_tokens": self.max_tokens,
             "max_logit_rows": self.workspace.max_logit_rows,
+            "kv_dtype": self.kv_dtype,
             "device_bytes": self.workspace.device_bytes(),
         }
 

@@ -388,6 +388,8 @@ class Matmul:
             else:
                 no, sums = multi_no, multi_sums
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
+            if rope_layer is not None:
+                kernel += self.ws.kv_kernel_suffix  # the KV pool's format
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             quantize_out = variant == "_swiglu" and self.quantize_swiglu
             if rows == 1 and quantize_out and self.swiglu_blocks_spread(n_out):
@@ -540,7 +542,8 @@ class Matmul:
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
                 ("mmv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
-                f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}",
+                f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}"
+                + (ws.kv_kernel_suffix if rope_layer is not None else ""),
                 (blocks, 1, 1),
                 (32 * ks * ms, 1, 1),
                 head + tail,

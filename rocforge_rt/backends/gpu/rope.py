@@ -11,7 +11,8 @@ from rocforge_rt.model.hparams import HParams
 
 
 class RopeKvAppend:
-    """q of a fused Q|K|V row rotated into the workspace's `q`; k, v into the KV pool."""
+    """q of a fused Q|K|V row rotated into the workspace's `q`; k, v into the KV pool (its
+    format's kernel: rf_rope_kv_append[_fp8])."""
 
     def __init__(
         self, launcher: Launcher, workspace: Workspace, hparams: HParams, *, n_ctx: int
@@ -25,7 +26,7 @@ class RopeKvAppend:
         hp, ws = self.hparams, self.ws
         self._launch(
             ("rope", layer, qkv.rows),
-            "rf_rope_kv_append",
+            "rf_rope_kv_append" + ws.kv_kernel_suffix,
             (qkv.rows, 1, 1),
             (ROPE_THREADS, 1, 1),
             (

@@ -29,6 +29,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
 )
 from rocforge_rt.backends.gpu.vendor_blas import WORKSPACE_BYTES as VENDOR_WORKSPACE_BYTES
 from rocforge_rt.model.hparams import HParams
+from rocforge_rt.step.kv_format import kv_element_bytes
 from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import PENALTY_WINDOW, ROW_PARAMS_DTYPE
 
@@ -85,6 +86,7 @@ class Workspace:
         max_tokens: int,
         max_logit_rows: int,
         vendor_gemm: bool,
+        kv_dtype: str = "f16",
     ) -> None:
         self.driver = driver
         self._allocated: list[Any] = []
@@ -92,9 +94,16 @@ class Workspace:
         hp = hparams
         f32 = 4
         self.gate = driver.alloc_pinned(4, mapped=True)  # the flag rf_hold waits on
-        # KV pool: per layer [n_slots, n_ctx, n_kv, head_dim] fp16, zeroed.
-        self.k_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_k * 2) for _ in range(hp.n_layer)]
-        self.v_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_v * 2) for _ in range(hp.n_layer)]
+        # KV pool: per layer [n_slots, n_ctx, n_kv, head_dim] of `kv_dtype` elements
+        # (step/kv_format.py), zeroed. The kernels that read or write it are named
+        # with `kv_kernel_suffix`.
+        self.kv_dtype = kv_dtype
+        self.kv_kernel_suffix = "_fp8" if kv_dtype == "fp8" else ""
+        element = kv_element_bytes(kv_dtype)
+        self.k_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_k * element)
+                        for _ in range(hp.n_layer)]  # fmt: skip
+        self.v_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_v * element)
+                        for _ in range(hp.n_layer)]  # fmt: skip
         cos, sin = rope_tables(hp, n_ctx)
         self.rope_cos, self.rope_sin = self.upload(cos), self.upload(sin)
         # Step state (read by kernels through pointers) and its pinned staging areas:
