@@ -24,7 +24,12 @@ from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
-from rocforge_rt.step.kv_format import E4M3_HALF_BITS, KV_DTYPES, float32_to_e4m3
+from rocforge_rt.step.kv_format import (
+    E4M3_HALF_BITS,
+    KV_DTYPES,
+    KV_ELEMENT_DTYPES,
+    float32_to_e4m3,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +40,6 @@ KS = [576, 1536, 2048, 4096, 14336]
 NS = [192, 576, 960, 3072]
 MAX_ROWS = 4096  # the backends' buffers; the epilogue tests take up to 128 rows
 GEMMS = ("int8", "vendor")
-KV_HOST_DTYPES = {"f16": np.float16, "fp8": np.uint8}  # a KV pool element read back
 
 
 def row_counts(k: int, n: int) -> tuple[int, int]:
@@ -242,7 +246,7 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu, k
         q = gpu.to_host(gpu.norm_qkv_rope(gpu.load_activation(x[:rows]), gain, wqkv, 0, batch))
         caches = []
         for buf in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
-            host = np.empty((n_ctx, hp.kv_dim_k), dtype=KV_HOST_DTYPES[kv_dtype])
+            host = np.empty((n_ctx, hp.kv_dim_k), dtype=KV_ELEMENT_DTYPES[kv_dtype])
             gpu.driver.copy_dtoh(host, buf)
             caches.append(host[3 : 3 + rows])
         return q, *caches

@@ -50,15 +50,22 @@ from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import StepOutput
-from rocforge_rt.step.kv_format import check_kv_dtype, float32_to_e4m3
+from rocforge_rt.step.kv_format import (
+    KV_ELEMENT_DTYPES,
+    check_kv_dtype,
+    float32_to_e4m3,
+    kv_element_bytes,
+)
 from rocforge_rt.step.rope import rope_tables
 from rocforge_rt.step.sampling import sample_row
 
 Q8_BLOCK = 32  # elements per quant block; the canonical sum takes them in stages of two
 
-# The KV pool's arrays per format, and the bits `attend` reads them as.
-_POOL_DTYPES = {"f16": np.float16, "fp8": np.uint8}
-_POOL_BITS = {"f16": np.uint16, "fp8": np.uint8}
+
+def _pool_bits(kv_dtype: str) -> np.dtype:
+    """What `attend` reads a pool of `kv_dtype` as: its elements' bits (fp16: uint16)."""
+    return np.dtype(f"u{kv_element_bytes(kv_dtype)}")
+
 
 # GGUF block layouts: bytes per block (an f16 scale, then the quants).
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
@@ -326,7 +333,7 @@ def compile_kernels(kv_dtype: str = "f16") -> None:
         positions = np.zeros(len(rows), dtype=np.int32)
         rope_rows(rows, positions, table, table, np.empty(rows.shape, dtype=np.float32))
     head = np.ones((1, 1, Q8_BLOCK), dtype=np.float32)
-    bits = _POOL_BITS[check_kv_dtype(kv_dtype)]
+    bits = _pool_bits(kv_dtype)
     keys_t, values = np.zeros((1, Q8_BLOCK, 1), bits), np.zeros((1, 1, Q8_BLOCK), bits)
     with PARALLEL_KERNELS:
         attend(head, keys_t, values, np.zeros(1, np.int64), np.float32(1), np.empty_like(head))
@@ -432,7 +439,7 @@ class CpuBackend:
         # `v_cache` and the GPU's.
         shape_k = (n_slots, hparams.n_head_kv, hparams.head_dim_k, n_ctx)
         shape_v = (n_slots, n_ctx, hparams.n_head_kv, hparams.head_dim_v)
-        pool = _POOL_DTYPES[self.kv_dtype]
+        pool = KV_ELEMENT_DTYPES[self.kv_dtype]
         self.keys_t = [np.zeros(shape_k, dtype=pool) for _ in range(hparams.n_layer)]
         self.k_cache = [keys.transpose(0, 3, 1, 2) for keys in self.keys_t]
         self.v_cache = [np.zeros(shape_v, dtype=pool) for _ in range(hparams.n_layer)]
@@ -584,7 +591,7 @@ class CpuBackend:
         if planned is not batch:
             runs = slot_runs(batch)
             self._runs = (batch, runs)
-        bits = _POOL_BITS[self.kv_dtype]  # what `attend` reads: fp16 bits, or fp8 bytes
+        bits = _pool_bits(self.kv_dtype)
         for run in runs:
             keys = self.keys_t[layer][run.slot].view(bits)  # [Hkv, D, n_ctx]
             values = self.v_cache[layer][run.slot].view(bits)  # [n_ctx, Hkv, D]

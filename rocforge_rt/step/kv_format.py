@@ -14,8 +14,9 @@ read it. Both sides implement these two functions; tests hold them to this modul
 
 import numpy as np
 
-KV_DTYPES = ("f16", "fp8")
-E4M3_MAX = 448.0
+# Each format's element as numpy holds it: fp16 values, or fp8 E4M3 bytes.
+KV_ELEMENT_DTYPES = {"f16": np.dtype(np.float16), "fp8": np.dtype(np.uint8)}
+KV_DTYPES = tuple(KV_ELEMENT_DTYPES)
 
 
 def check_kv_dtype(name: str) -> str:
@@ -27,7 +28,7 @@ def check_kv_dtype(name: str) -> str:
 
 def kv_element_bytes(kv_dtype: str) -> int:
     """Bytes of one K or V element in the pool."""
-    return 2 if check_kv_dtype(kv_dtype) == "f16" else 1
+    return KV_ELEMENT_DTYPES[check_kv_dtype(kv_dtype)].itemsize
 
 
 def float32_to_e4m3(x: np.ndarray) -> np.ndarray:
