@@ -32,8 +32,11 @@
 // Main loop: one warp per group of NO output rows (2 * NO weight rows with the
 // SwiGLU epilogue: gate row r and up row r + n, loaded together). Lane l takes the
 // canonical sum's stages l, l + 32, ... (RF_Q8_STAGE consecutive blocks each),
-// RF_GEMV_STAGES_PER_LANE of them per chunk; a chunk's weights load while the one
-// before is multiplied (two register sets). Each chunk's stage sums go through a
+// RF_GEMV_STAGES_PER_LANE of them per chunk, in two register sets: the one-row kernels
+// of 1 or 2 rows a warp load both before the wait and each set again with the chunk two
+// on once its products are taken (two chunks in flight: the 8B shape's O and down GEMVs
+// 1.81 -> 2.26 and 2.26 -> 2.66 TB/s on an H200); the others load the next chunk as
+// a step begins (one in flight). Each chunk's stage sums go through a
 // per-warp fold buffer in shared memory, from which lane v folds sum v (one per
 // weight row and activation row) in stage order. Warps walk the row groups with a
 // grid stride, so the host may launch fewer blocks than groups.
@@ -477,6 +480,20 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     Chunk w_a, w_b;
     rf_weight_ring<Chunk> ring{w_qs,     w_d,    n,         n_blocks, n_groups,
                                n_chunks, stride, per_block, lane};
+    // The register kernels' next chunk to load. TWO_AHEAD: two are in flight during the
+    // wait and prologue (w_a, w_b), and each set is loaded again with the chunk two on as
+    // soon as its products are taken; else one, the other set loaded as a step begins:
+    // kernels of 4 rows a warp (at 128 registers, the 8B shape's Q|K|V GEMV took 8.41 us
+    // instead of 7.49 with two), of several activation rows, and the _swiglu_q8 ones (two
+    // ahead took 154 registers, one block a multiprocessor).
+    constexpr bool TWO_AHEAD = NO <= 2 && RCAP == 1 && !Q8OUT;
+    rf_gemv_item ahead = item;
+    auto load_ahead = [&](Chunk& w) {
+        if (ahead.g < n_groups) {
+            w.load(w_qs, w_d, n, n_blocks, ahead.g, ahead.c, lane);
+            ahead = ahead.next(n_chunks, stride, per_block);
+        }
+    };
     if (item.g < n_groups) {  // in flight during the wait and prologue
         if (BULK) {
             const int fold_end = (int)((uint8_t*)(scratch + RF_GEMV_MAX_ROWS * RF_GEMV_WARPS +
@@ -484,7 +501,10 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                                        rf_shared);
             ring.start(rf_shared + (fold_end + 15) / 16 * 16, ring_slots, item, warp);
         } else {
-            w_a.load(w_qs, w_d, n, n_blocks, item.g, 0, lane);
+            load_ahead(w_a);
+            if (TWO_AHEAD) {
+                load_ahead(w_b);
+            }
         }
     }
     rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
@@ -528,13 +548,13 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     }
 
     float total = 0.0f;  // lane v < NV: sum v of the current row group, folded so far
-    // Chunk `item` from `use` while the next one loads into `fill`; false when done.
-    auto step = [&](Chunk& use, Chunk& fill) -> bool {
+    // Chunk `item` from `use`, `other` holding or loading the next; false when done.
+    auto step = [&](Chunk& use, Chunk& other) -> bool {
         const rf_gemv_item next = item.next(n_chunks, stride, per_block);
         if (BULK) {
             ring.take(use, item);
-        } else if (next.g < n_groups) {
-            fill.load(w_qs, w_d, n, n_blocks, next.g, next.c, lane);
+        } else if (!TWO_AHEAD) {
+            load_ahead(other);
         }
         // This lane's stage sums of the chunk (zero for stages past the row).
         float part[NW][RCAP][SPL];
@@ -568,6 +588,9 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
                     }
                 }
             }
+        }
+        if (!BULK && TWO_AHEAD) {
+            load_ahead(use);  // the chunk two on
         }
         // Fold the chunk's stages in stage order: stage (c * SPL + st) * WARP + l sits in
         // lane l, so each sum's lane reads them back through shared memory in that order.

@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import shutil
+import struct
 import sys
 import tempfile
 from collections.abc import Callable
@@ -331,13 +332,16 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         # the older source's kernel of the same name and launch
         prequant = rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k
         auto_xq = xq_buf.ptr if written_q8 or prequant else 0
+        # the chosen launch's arguments past the plain GEMV's (a _bulk kernel's ring)
+        chosen_args = struct.Struct(chosen.layout.format).unpack(chosen.packed_bytes)
+        extra = chosen_args[len(args_of(matrices[0], auto_xq)) :]
         handles = [
             bench.handle(
                 bench.baseline[chosen.name],
                 chosen.name,
                 chosen.grid[0],
                 chosen.shared_bytes,
-                args_of(m, auto_xq),
+                args_of(m, auto_xq) + extra,
                 bench.baseline_signatures[chosen.name],
             )  # fmt: skip
             for m in matrices

@@ -113,6 +113,39 @@ def test_a_gemv_releases_its_successor_early_exactly_when_the_device_holds_its_g
         assert np.array_equal(gpu.to_host(gpu.norm_matmul(x, gain, matrix)), default)
 
 
+@pytest.mark.parametrize("k", [2048, 4096, 14336])  # a row group's chunks: one; two; seven
+@pytest.mark.parametrize("n", [1111, 3001, 4302])  # 1, 2, 4 rows a warp; the last group partial
+def test_a_gemv_warp_gives_the_same_bits_however_many_row_groups_it_walks(gpu, k, n, monkeypatch):
+    """A one-row GEMV warp holds the chunks two ahead of the one it multiplies (kernels/
+    gemv.hip), across its row groups: a grid of one block a multiprocessor (warps walking
+    several groups), of two, and of one group a warp give the same bits, with the norm, the
+    residual and SwiGLU, and follow the CPU."""
+    rng = np.random.default_rng(k + n)
+    gain_tensor = WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32))
+    gain = gpu.vector(gain_tensor)
+    w = weight(rng, n, k)
+    up = weight(rng, n, k, name="up")
+    matrix, gate_up = gpu.linear(w), gpu.linear(w, up)
+    x = rng.standard_normal(k).astype(np.float32)
+    residual = rng.standard_normal(n).astype(np.float32)
+    results = []
+    for blocks_per_sm in (1, 2, 10**6):
+        monkeypatch.setattr(gpu.matmul, "gemv_max_blocks_per_sm", blocks_per_sm)
+        act = gpu.load_activation(np.concatenate([x, residual])[None])
+        x_act, res_act = Activation(act.buf, 1, k), Activation(act.buf, 1, n, k * 4)
+        normed = gpu.to_host(gpu.norm_matmul(x_act, gain, matrix))
+        swiglu = gpu.to_host(gpu.norm_gate_up_swiglu(x_act, gain, gate_up))
+        added = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
+        results.append((normed, swiglu, added))
+    for later in results[1:]:
+        for got, first in zip(later, results[0], strict=True):
+            assert np.array_equal(got, first)
+    dense = CpuBackend(hparams(), 1, 1).linear(w)
+    reference = quantize_q8(rms_normalize(x[None], gain_tensor.data, 1e-5)) @ dense.T
+    assert rel_error(results[0][0], reference) <= 1e-3
+    assert rel_error(results[0][2], quantize_q8(x[None]) @ dense.T + residual) <= 1e-3
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 29])
 def test_gemv_residual_and_swiglu_epilogues_match_the_cpu(gpu, rows):
     rng = np.random.default_rng(rows)
