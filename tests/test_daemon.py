@@ -498,7 +498,9 @@ def test_a_client_that_vanishes_mid_stream_frees_its_work(slow_daemon: Daemon) -
     with connect(slow_daemon.endpoint, timeout=5) as client:
         wait_for(lambda: client.health()["in_flight"] == 0)
         assert client.health()["sessions"] == 0
-        assert client.stats()["overhead"]["steps"]["decode"]["steps"] < 39
+        # stopped before its 40 tokens: fewer decode steps, none at all if it went before one
+        steps = client.stats()["overhead"]["steps"]
+        assert steps.get("decode", {"steps": 0})["steps"] < 39
 
 
 def test_an_engine_failure_fails_its_request_only(tiny_model: Path) -> None:
