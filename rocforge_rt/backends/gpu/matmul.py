@@ -388,8 +388,7 @@ class Matmul:
             else:
                 no, sums = multi_no, multi_sums
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
-            if rope_layer is not None:
-                kernel += self.ws.kv_kernel_suffix  # the KV pool's format
+            kernel += self._pool_suffix(rope_layer)
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             quantize_out = variant == "_swiglu" and self.quantize_swiglu
             if rows == 1 and quantize_out and self.swiglu_blocks_spread(n_out):
@@ -443,6 +442,11 @@ class Matmul:
                 shared,
             )
         return q8_out
+
+    def _pool_suffix(self, rope_layer: int | None) -> str:
+        """The GEMV / MMV kernel name's last suffix: a Q|K|V kernel (`rope_layer`) writes
+        the KV pool, so it is named for the pool's format (`kv_kernel_suffix`)."""
+        return "" if rope_layer is None else self.ws.kv_kernel_suffix
 
     def swiglu_blocks_spread(self, n_out: int) -> bool:
         """Whether a one-row gate|up GEMV of `n_out` outputs quantizes them for the down
@@ -542,8 +546,7 @@ class Matmul:
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
                 ("mmv", matrix.qs.ptr, epilogue, rope_layer, first, rows, x.ptr),
-                f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}"
-                + (ws.kv_kernel_suffix if rope_layer is not None else ""),
+                f"rf_mmv_{matrix.fmt}_t{tw}_k{ks}_m{ms}{variant}{self._pool_suffix(rope_layer)}",
                 (blocks, 1, 1),
                 (32 * ks * ms, 1, 1),
                 head + tail,
