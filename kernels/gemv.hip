@@ -198,6 +198,71 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
     __syncthreads();
 }
 
+// `rows` as block `rank` of the cluster sees them (rf_cluster_peer).
+RF_DEVICE_INLINE rf_q8_rows rf_cluster_rows(rf_q8_rows rows, uint32_t rank) {
+    rows.lo = rf_cluster_peer(rows.lo, rank);
+    rows.hi = rf_cluster_peer(rows.hi, rank);
+    rows.meta = rf_cluster_peer(rows.meta, rank);
+    return rows;
+}
+
+// One row normalized (gain) and quantized by the blocks of a cluster together, the bits of
+// rf_quantize_rows: with k = 4 * RF_GEMV_THREADS * C * P for a cluster of C blocks, block r's
+// thread t loads pieces (r * P + p) * RF_GEMV_THREADS + t, p < P <= RF_GEMV_CLUSTER_PIECES, and
+// hands their square sums to every block (`squares`, k / 4 floats of shared memory), so
+// that each adds thread t's canonical sum (pieces t, t + RF_GEMV_THREADS, ... in order);
+// then each quantizes its pieces into every block's rows. The kernel arrived at the
+// cluster's barrier as it started (rf_cluster_arrive). Ends with the whole row in this
+// block's `rows` and no block touching another's shared memory any more.
+RF_DEVICE_INLINE void rf_quantize_row_cluster(const float* RF_RESTRICT x, int k,
+                                              const float* RF_RESTRICT gain, float eps,
+                                              rf_q8_rows rows, float* scratch, float* squares) {
+    const uint32_t rank = rf_cluster_rank(), blocks = rf_cluster_size();
+    const int pieces = k / (4 * RF_GEMV_THREADS), mine = pieces / (int)blocks;
+    const int first = (int)rank * mine;
+    rf_f32x4 v[RF_GEMV_CLUSTER_PIECES], g[RF_GEMV_CLUSTER_PIECES];
+#pragma unroll
+    for (int p = 0; p < RF_GEMV_CLUSTER_PIECES; ++p) {
+        if (p < mine) {
+            const int i = (first + p) * RF_GEMV_THREADS + threadIdx.x;
+            v[p] = ((const rf_f32x4*)x)[i];
+            g[p] = ((const rf_f32x4*)gain)[i];
+        }
+    }
+    rf_cluster_wait();  // every block of the cluster has started
+    for (uint32_t r = 0; r < blocks; ++r) {
+        float* theirs = rf_cluster_peer(squares, r);
+#pragma unroll
+        for (int p = 0; p < RF_GEMV_CLUSTER_PIECES; ++p) {
+            if (p < mine) {
+                theirs[(first + p) * RF_GEMV_THREADS + threadIdx.x] = rf_sum_squares(v[p]);
+            }
+        }
+    }
+    rf_cluster_sync();
+    float ss = 0.0f;
+    for (int j = 0; j < pieces; ++j) {
+        ss += squares[j * RF_GEMV_THREADS + threadIdx.x];
+    }
+    ss = rf_warp_sum(ss);
+    if (threadIdx.x % RF_WARP_SIZE == 0) {
+        scratch[threadIdx.x / RF_WARP_SIZE] = ss;
+    }
+    __syncthreads();
+    const float inv_rms = rf_gemv_inv_rms(scratch, 0, k, eps);
+#pragma unroll
+    for (int p = 0; p < RF_GEMV_CLUSTER_PIECES; ++p) {
+        if (p < mine) {
+            const int i = (first + p) * RF_GEMV_THREADS + threadIdx.x;
+            const rf_q8_piece piece = rf_quantize4_piece(rf_normalize4(v[p], inv_rms, g[p]));
+            for (uint32_t r = 0; r < blocks; ++r) {
+                rf_q8_store4(rf_cluster_rows(rows, r), 0, i * 4, piece);
+            }
+        }
+    }
+    rf_cluster_sync();
+}
+
 // Integer dot of one weight block (as signed values) with one q8 activation block
 // (halves xl, xh): Q4_0 subtracts the offset 8 * sum(q) from the nibbles' dot.
 struct rf_q4_0_format {
@@ -442,7 +507,7 @@ RF_DEVICE_INLINE void rf_gemv_quantize_staged(const float* staged, int block, in
 }
 
 template <typename Format, int NO, bool SWIGLU, int RCAP, bool ROPE = false, bool Q8OUT = false,
-          bool BULK = false>
+          bool BULK = false, bool CLUSTER = false>
 RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d,
                               int n, int k, const float* RF_RESTRICT x, int n_rows,
                               const uint8_t* RF_RESTRICT xq, const float* RF_RESTRICT gain,
@@ -456,6 +521,7 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     constexpr int SPL = RF_GEMV_STAGES_PER_LANE;
     using Chunk = rf_weight_chunk<Format, NO, SWIGLU>;
     static_assert(!BULK || (RCAP == 1 && !SWIGLU && !ROPE), "the ring serves plain one-row GEMVs");
+    static_assert(!CLUSTER || RCAP == 1, "a cluster quantizes one row");
     extern __shared__ __align__(16) uint8_t rf_shared[];
     const int n_blocks = k / RF_QK;
     const int n_stages = (n_blocks + RF_Q8_STAGE - 1) / RF_Q8_STAGE;
@@ -476,6 +542,9 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     __shared__ __align__(16) float staged[2][Q8OUT ? RF_QK : 1];
     int staging = 0;
     rf_gemv_item item{(int)blockIdx.x * (per_block ? per_block : RF_GEMV_WARPS) + warp, 0};
+    if (CLUSTER && xq == nullptr) {
+        rf_cluster_arrive();  // rf_quantize_row_cluster waits for the others
+    }
 
     Chunk w_a, w_b;
     rf_weight_ring<Chunk> ring{w_qs,     w_d,    n,         n_blocks, n_groups,
@@ -507,6 +576,8 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
             }
         }
     }
+    // CLUSTER: each piece's square sum, from every block of the cluster (rf_quantize_row_cluster).
+    __shared__ __align__(16) float squares[CLUSTER ? RF_GEMV_CLUSTER_MAX_K / 4 : 1];
     rf_pdl_wait();  // the previous kernel wrote x (weights alone are read before this)
     if (release_early) {
         rf_pdl_launch_dependents();
@@ -543,6 +614,8 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
         rf_cp_async_commit();
         rf_cp_async_wait<0>();
         __syncthreads();
+    } else if (CLUSTER) {
+        rf_quantize_row_cluster(x, k, gain, eps, rows, scratch, squares);
     } else {
         rf_quantize_rows<RCAP>(x, n_rows, k, gain, eps, rows, scratch);
     }
@@ -782,6 +855,27 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope_fp8(RF_GEMV_ROPE_
 }
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope_fp8(RF_GEMV_ROPE_PARAMS) {
     RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS, 1);
+}
+// Q4_0, the one-row gate|up GEMVs (with or without the down projection's q8 row) whose
+// blocks normalize and quantize their row together, a cluster at a time
+// (rf_quantize_row_cluster), with no rf_quantize_q8_gemv launch before them. Launched in
+// clusters of C blocks (a grid of whole clusters), k a multiple of 1024 * C, at most
+// 1024 * C * RF_GEMV_CLUSTER_PIECES and RF_GEMV_CLUSTER_MAX_K.
+#define RF_GEMV_SWIGLU_CL_CALL(format, no, q8, xq_out)                                         \
+    rf_gemv<format, no, true, 1, false, q8, false, true>(w_qs, w_d, n, k, x, n_rows, xq, gain, \
+                                                         eps, release_early, epilogue,         \
+                                                         residual, out, rf_rope_out{}, xq_out, 0)
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_cl(RF_GEMV_PARAMS) {
+    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 1, false, nullptr);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_cl(RF_GEMV_PARAMS) {
+    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 2, false, nullptr);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_q8_cl(RF_GEMV_SWIGLU_Q8_PARAMS) {
+    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 1, true, xq_out);
+}
+RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_q8_cl(RF_GEMV_SWIGLU_Q8_PARAMS) {
+    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 2, true, xq_out);
 }
 // Q4_0, one activation row, the weights through rf_weight_ring.
 RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_bulk(RF_GEMV_BULK_PARAMS) {

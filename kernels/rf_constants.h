@@ -13,6 +13,8 @@
 //   RF_EPILOGUE_*          matmul epilogues: STORE, RESIDUAL, SWIGLU (gemv.hip, gemm.hip)
 //   RF_GEMV_MAX_ROWS       activation rows one GEMV launch takes
 //   RF_GEMV_STAGES_PER_LANE  canonical-sum stages a GEMV lane takes per chunk (gemv.hip)
+//   RF_GEMV_CLUSTER_MAX_K  widest row a cluster's GEMV blocks quantize together (gemv.hip)
+//   RF_GEMV_CLUSTER_PIECES 1024-column pieces a thread of that cluster quantizes, at most
 //   RF_Q8_ROWS_BLOCKS      quant blocks of a row one rf_quantize_q8_rows block takes
 //   RF_GEMM_THREADS, RF_GEMM_TILE_N, RF_GEMM_TILE_M   the prefill GEMM's block and tile
 //   RF_EMBED_THREADS, RF_ROPE_THREADS                 block sizes
@@ -33,6 +35,7 @@
     !defined(RF_Q8_STAGE) || !defined(RF_Q8_NORM_THREADS) || !defined(RF_EPILOGUE_STORE) || \
     !defined(RF_EPILOGUE_RESIDUAL) || !defined(RF_EPILOGUE_SWIGLU) ||                       \
     !defined(RF_GEMV_MAX_ROWS) || !defined(RF_GEMV_STAGES_PER_LANE) ||                       \
+    !defined(RF_GEMV_CLUSTER_MAX_K) || !defined(RF_GEMV_CLUSTER_PIECES) ||                 \
     !defined(RF_Q8_ROWS_BLOCKS) || !defined(RF_GEMM_THREADS) ||    \
     !defined(RF_GEMM_TILE_N) || !defined(RF_GEMM_TILE_M) || !defined(RF_EMBED_THREADS) ||  \
     !defined(RF_ROPE_THREADS) ||                                                            \

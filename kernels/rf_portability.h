@@ -390,6 +390,65 @@ RF_DEVICE_INLINE void rf_bulk_wait(uint64_t*, uint32_t) {
 RF_DEVICE_INLINE void rf_bulk_reads_done() {}
 #endif
 
+// ---------------------------------------------------------------------------
+// Thread block clusters (NVIDIA sm_90 and newer; elsewhere every block is a cluster of one):
+//   rf_cluster_rank(), rf_cluster_size()  this block's rank in its cluster, the cluster's blocks
+//   rf_cluster_peer(p, rank)              where shared-memory address p of this block is in
+//                                         block `rank` of the cluster (a generic address:
+//                                         plain loads and stores reach it)
+//   rf_cluster_sync()                     every thread of every block of the cluster: the
+//                                         shared-memory writes before it, peers' included,
+//                                         are visible to all after it
+//   rf_cluster_arrive(), rf_cluster_wait()  the same in two halves (no ordering of memory):
+//                                         arrive as the kernel starts and wait before a
+//                                         block's first access to a peer's shared memory,
+//                                         so that every block of the cluster has started
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+RF_DEVICE_INLINE uint32_t rf_cluster_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+RF_DEVICE_INLINE uint32_t rf_cluster_size() {
+    uint32_t size;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+    return size;
+}
+template <typename T>
+RF_DEVICE_INLINE T* rf_cluster_peer(T* p, uint32_t rank) {
+    uint64_t peer;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(peer) : "l"((uint64_t)p), "r"(rank));
+    return (T*)peer;
+}
+RF_DEVICE_INLINE void rf_cluster_sync() {
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n\t"
+        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+RF_DEVICE_INLINE void rf_cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+RF_DEVICE_INLINE void rf_cluster_wait() {
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+#else
+RF_DEVICE_INLINE uint32_t rf_cluster_rank() {
+    return 0;
+}
+RF_DEVICE_INLINE uint32_t rf_cluster_size() {
+    return 1;
+}
+template <typename T>
+RF_DEVICE_INLINE T* rf_cluster_peer(T* p, uint32_t) {
+    return p;
+}
+RF_DEVICE_INLINE void rf_cluster_sync() {
+    __syncthreads();
+}
+RF_DEVICE_INLINE void rf_cluster_arrive() {}
+RF_DEVICE_INLINE void rf_cluster_wait() {}
+#endif
+
 // The prologue of a kernel that reads nothing before waiting: let the next kernel
 // launch, then wait for the previous one.
 RF_DEVICE_INLINE void rf_pdl_begin() {

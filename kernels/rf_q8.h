@@ -146,6 +146,46 @@ RF_DEVICE_INLINE int rf_group8_sum(int v) {
     return v + rf_shfl_xor(v, 4);
 }
 
+// Four consecutive elements quantized as one eighth of their 32-block: the 8 lanes of the
+// block each hold one such piece. Every lane of the warp must call this together (it
+// shuffles); inactive lanes pass zeros, in whole groups of 8.
+struct rf_q8_piece {
+    uint32_t packed;  // the four int8 values, element 0 in the low byte
+    float d;          // the block's kept scale (rf_q8_kept_scale)
+    int sum;          // the block's sum of int8 values
+};
+
+RF_DEVICE_INLINE rf_q8_piece rf_quantize4_piece(const rf_q8_f32x4& v) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        amax = fmaxf(amax, fabsf(v.v[e]));
+    }
+    amax = rf_group8_max(amax);
+    const float d = rf_q8_scale(amax);
+    rf_q8_piece piece{0u, rf_q8_kept_scale(d), 0};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int q = rf_q8_round(v.v[e], amax, d);
+        piece.packed |= ((uint32_t)q & 0xFFu) << (8 * e);
+        piece.sum += q;
+    }
+    piece.sum = rf_group8_sum(piece.sum);
+    return piece;
+}
+
+// Store a piece of row t at column col (a multiple of 4) into `rows`.
+RF_DEVICE_INLINE void rf_q8_store4(rf_q8_rows rows, int t, int col, const rf_q8_piece& piece) {
+    const int e = col % RF_QK;
+    const int blk = rf_q8_slot(rows, t, col / RF_QK);
+    int8_t* half = e < 16 ? rows.lo : rows.hi;
+    *(uint32_t*)(half + blk * 16 + (e % 16)) = piece.packed;
+    if (e == 0) {
+        rows.meta[blk].d = piece.d;
+        rows.meta[blk].sum = piece.sum;
+    }
+}
+
 // Quantize four consecutive elements (flat float4 index i of the activation,
 // row t, column col) as one eighth of their 32-block. Every lane of the warp
 // must call this together (it shuffles); inactive lanes pass active = false.
@@ -155,31 +195,9 @@ RF_DEVICE_INLINE void rf_quantize4(rf_q8_f32x4 v, bool active, int t, int col,
     if (active && gain != nullptr) {
         v = rf_normalize4(v, inv_rms, *(const rf_q8_f32x4*)(gain + col));
     }
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        amax = fmaxf(amax, fabsf(v.v[e]));
-    }
-    amax = rf_group8_max(amax);  // inactive lanes hold zeros and sit in whole groups
-    const float d = rf_q8_scale(amax);
-    uint32_t packed = 0;
-    int sum = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int q = rf_q8_round(v.v[e], amax, d);
-        packed |= ((uint32_t)q & 0xFFu) << (8 * e);
-        sum += q;
-    }
-    sum = rf_group8_sum(sum);
+    const rf_q8_piece piece = rf_quantize4_piece(v);  // inactive lanes hold zeros
     if (active) {
-        const int e = col % RF_QK;
-        const int blk = rf_q8_slot(rows, t, col / RF_QK);
-        int8_t* half = e < 16 ? rows.lo : rows.hi;
-        *(uint32_t*)(half + blk * 16 + (e % 16)) = packed;
-        if (e == 0) {
-            rows.meta[blk].d = rf_q8_kept_scale(d);
-            rows.meta[blk].sum = sum;
-        }
+        rf_q8_store4(rows, t, col, piece);
     }
 }
 

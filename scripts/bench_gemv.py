@@ -168,7 +168,7 @@ class Bench:
     sweep: bool  # every kernel variant x grid cap besides `auto`
 
     def handle(self, function: object, name: str, grid: int, shared: int, args: tuple,
-               arg_types: tuple[str, ...]) -> LaunchHandle:  # fmt: skip
+               arg_types: tuple[str, ...], cluster: int = 1) -> LaunchHandle:  # fmt: skip
         handle = LaunchHandle(
             self.driver,
             function,
@@ -179,6 +179,7 @@ class Bench:
             stream=self.stream,
             arg_types=arg_types,
             overlap=self.driver.supports_overlap,
+            cluster=cluster,
         )
         handle.set_args(*args)
         return handle
@@ -330,7 +331,9 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
 
     if bench.baseline is not None and chosen.name in bench.baseline:
         # the older source's kernel of the same name and launch
-        prequant = rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k
+        prequant = (
+            rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k and chosen.cluster == 1
+        )
         auto_xq = xq_buf.ptr if written_q8 or prequant else 0
         # the chosen launch's arguments past the plain GEMV's (a _bulk kernel's ring)
         chosen_args = struct.Struct(chosen.layout.format).unpack(chosen.packed_bytes)
@@ -343,6 +346,7 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
                 chosen.shared_bytes,
                 args_of(m, auto_xq) + extra,
                 bench.baseline_signatures[chosen.name],
+                chosen.cluster,
             )  # fmt: skip
             for m in matrices
         ]

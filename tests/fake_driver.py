@@ -78,7 +78,7 @@ class FakeDriver(Driver):
         self._capturing: dict[int, list[tuple[str, bytes]]] = {}
         self._streams = 0
         self.log: list[tuple[str, str, bytes]] = []  # ('launch' | 'replay', kernel, arg bytes)
-        self.prepared: list[tuple] = []  # _launcher calls
+        self.prepared: list[tuple] = []  # _launcher calls (their arguments, overlap aside)
         self.shared_opt_ins: list[tuple[Any, int]] = []  # _allow_dynamic_shared calls
         self.occupancy_queries: list[tuple[Any, int, int]] = []  # fakeOccupancy calls
         self.launch_status = 0  # what launches return; nonzero makes them fail
@@ -173,9 +173,9 @@ class FakeDriver(Driver):
         self.shared_opt_ins.append((function, nbytes))
 
     def _launcher(
-        self, function, grid, block, shared_bytes, stream, params_ptr, overlap
+        self, function, grid, block, shared_bytes, stream, params_ptr, overlap, cluster
     ) -> tuple[str, Callable[[], tuple[int]]]:
-        self.prepared.append((function, grid, block, shared_bytes, stream, params_ptr))
+        self.prepared.append((function, grid, block, shared_bytes, stream, params_ptr, cluster))
         types = self._kernels[function]
         pointers = (ctypes.c_void_p * len(types)).from_address(params_ptr)
 

@@ -279,6 +279,46 @@ def test_one_row_gate_up_hands_the_down_projection_its_output_quantized(
         assert q8_bytes(gpu, ws.gemv_xq, n_ff) == from_swiglu, blocks_per_sm
 
 
+@pytest.mark.parametrize(("k", "blocks"), [(2048, 2), (4096, 2), (4096, 4), (8192, 4), (8192, 8)])
+def test_a_cluster_quantizing_its_row_together_gives_the_bits_of_a_row_quantized_once(
+    gpu, k, blocks, monkeypatch
+):
+    """The one-row gate|up GEMV whose cluster's blocks normalize and quantize the row
+    together (the _swiglu[_q8]_cl kernels, kernels/gemv.hip) writes the bits of
+    rf_quantize_q8_gemv + the GEMV copying its row: the SwiGLU outputs, and the down
+    projection's q8 row where it writes one; in clusters of 2 to 8 blocks, one or two
+    1024-column pieces a thread."""
+    if not gpu.driver.supports_clusters:
+        pytest.skip("no thread block clusters on this device")
+    rng = np.random.default_rng(k + blocks)
+    n_ff = 3072  # 192 blocks of 2 rows a warp; 96 blocks of a 32-block each
+    gain = gpu.vector(WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32)))
+    gate_up = gpu.linear(weight(rng, n_ff, k, name="gate"), weight(rng, n_ff, k, name="up"))
+    x = gpu.load_activation(rng.standard_normal((1, k)).astype(np.float32))
+
+    def run(cluster: int, spread: bool) -> tuple[list[np.ndarray], list[str]]:
+        """The GEMV's outputs, and the names of the quantizing kernels it launched."""
+        monkeypatch.setattr(gpu.matmul, "gemv_cluster_blocks", cluster)
+        monkeypatch.setattr(gpu.matmul, "swiglu_blocks_spread", lambda n_out: spread)
+        acts = []
+        handles = gpu.launcher.record(
+            lambda: acts.append(gpu.norm_gate_up_swiglu(x, gain, gate_up))
+        )
+        outputs = [gpu.to_host(acts[0])]
+        if spread:
+            outputs.append(np.frombuffer(q8_bytes(gpu, gpu.workspace.ffn_xq, n_ff), np.uint8))
+        names = [h.name for h in handles if h.name.endswith("_cl") or "quantize" in h.name]
+        return outputs, names
+
+    for spread in (False, True):
+        once, quantizing = run(1, spread)
+        together, clustered = run(blocks, spread)
+        assert quantizing == ["rf_quantize_q8_gemv"]
+        assert clustered == [f"rf_gemv_q4_0_b1_n2_swiglu{'_q8' if spread else ''}_cl"]
+        for a, b in zip(once, together, strict=True):
+            assert np.array_equal(a, b), spread
+
+
 def test_a_narrow_gate_up_leaves_the_quantization_to_the_down_projections_blocks(gpu):
     """Where its 32-blocks do not spread over the multiprocessors (SmolLM2's 1536 outputs:
     48 of them), the gate|up GEMV writes no q8 form: the down projection quantizes it."""

@@ -71,8 +71,9 @@ def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
         for row, sampler in enumerate(samplers):
             want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
             mismatches += int(out.tokens[row]) != want.token
-            assert out.logprobs[row] == pytest.approx(want.logprob, abs=1e-4)
-            assert [t for t, _ in out.top[row]] == [t for t, _ in want.top], (trial, row)
+            seen = (trial, row, positions[row], sampler.seed)  # the seed: drawn at random
+            assert out.logprobs[row] == pytest.approx(want.logprob, abs=1e-4), seen
+            assert [t for t, _ in out.top[row]] == [t for t, _ in want.top], seen
             np.testing.assert_allclose([v for _, v in out.top[row]],
                                        [v for _, v in want.top], atol=1e-4)  # fmt: skip
     assert mismatches == 0

@@ -38,12 +38,13 @@ from rocforge_rt.backends.gpu.kernel_library import (
     kernels_dir,
     struct_fields,
 )
-from rocforge_rt.backends.gpu.launch import ARG_TYPES
+from rocforge_rt.backends.gpu.launch import ARG_TYPES, LaunchHandle
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.matmul import (
     GEMV_BULK_K_MULTIPLE,
     GEMV_BULK_MIN_N,
     GEMV_BULK_SHARED,
+    GEMV_CLUSTER_BLOCKS,
     GEMV_MULTI_ROW_NO,
     GEMV_ROWS_PER_WARP,
     MMV_SHAPES,
@@ -292,10 +293,11 @@ def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
 
 @contextlib.contextmanager
 def fake_h100(hp, mode: str, n_ctx: int = 64) -> Iterator[tuple[GpuBackend, ModelWeights]]:
-    """A one-slot backend on a fake device of 132 multiprocessors (an H100's or H200's),
-    with zero weights of shape `hp`."""
+    """A one-slot backend on a fake device of 132 multiprocessors with thread block
+    clusters (an H100's or H200's), with zero weights of shape `hp`."""
     with FakeDriver(signatures()) as driver:
         driver.info = dataclasses.replace(driver.info, multiprocessors=132, total_memory=8 << 30)
+        driver.supports_clusters = True
         gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=n_ctx, max_tokens=4,
                          mode=mode, batch_invariant=True)  # fmt: skip
         yield gpu, zero_model(gpu, hp)
@@ -318,13 +320,13 @@ def decode_step_stats(hp, mode: str = "deferred") -> dict:
 
 
 @pytest.mark.parametrize(
-    ("shape", "kernels"), [("smollm2-135m", 153), ("llama-1b", 116), ("llama-8b", 260)]
+    ("shape", "kernels"), [("smollm2-135m", 153), ("llama-1b", 100), ("llama-8b", 228)]
 )
 def test_a_decode_step_of_each_benchmarked_shape_runs_the_kernels_the_docs_state(
     shape: str, kernels: int
 ) -> None:
-    """One-row greedy decode on a 132-multiprocessor device: 153 kernels a step for the
-    SmolLM2-135M shape, 116 for Llama-1B's, 260 for Llama-8B's (docs/architecture.md),
+    """One-row greedy decode on a 132-multiprocessor device with clusters: 153 kernels a
+    step for the SmolLM2-135M shape, 100 for Llama-1B's, 228 for Llama-8B's (docs/architecture.md),
     from the counts of one layer and of two (the weights of all would not fit a test)."""
     s = SHAPES[shape]
     hp = hparams(n_embd=s.n_embd, n_ff=s.n_ff, n_head=s.n_head, n_head_kv=s.n_head_kv,
@@ -420,6 +422,19 @@ def test_pipelined_decode_past_the_fold_threshold_takes_a_graph_with_a_fold_kern
     assert per_step.tolist() == [per_step[0]] * 3 + [per_step[0] + hp.n_layer] * 2
 
 
+def one_decode_step(hp, **capabilities: bool) -> tuple[list[LaunchHandle], FakeDriver]:
+    """The launch handles of one greedy decode step of one row in deferred mode on a fake
+    device with the driver's `capabilities` (supports_bulk_copy=True, ...), and the driver."""
+    with FakeDriver(signatures()) as driver:
+        for name, value in capabilities.items():
+            setattr(driver, name, value)
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
+                         mode="deferred", batch_invariant=True)  # fmt: skip
+        model = random_model(gpu, hp, np.random.default_rng(1))
+        gpu.run_step(StepBatch.decode([1], [5], [0]), lambda b: forward(gpu, model, b), True)
+        return list(gpu.launcher.handles.values()), driver
+
+
 def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() -> None:
     """Where the device has bulk copies, the one-row Q4_0 GEMVs of at least GEMV_BULK_MIN_N
     outputs with no epilogue of their own over k a multiple of GEMV_BULK_K_MULTIPLE (here
@@ -427,17 +442,24 @@ def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() ->
     fit the device's shared memory a block (48 KiB here: one)."""
     hp = hparams(n_embd=512, n_head=8, n_head_kv=2, n_vocab=GEMV_BULK_MIN_N)
     assert hp.n_embd % GEMV_BULK_K_MULTIPLE == 0
-    with FakeDriver(signatures()) as driver:
-        driver.supports_bulk_copy = True
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=64, max_tokens=4,
-                         mode="deferred", batch_invariant=True)  # fmt: skip
-        model = random_model(gpu, hp, np.random.default_rng(1))
-        gpu.run_step(StepBatch.decode([1], [5], [0]), lambda b: forward(gpu, model, b), True)
-        bulk = [h for h in gpu.launcher.handles.values() if h.name.endswith("_bulk")]
-    (head,) = bulk
+    handles, _ = one_decode_step(hp, supports_bulk_copy=True)
+    (head,) = [h for h in handles if h.name.endswith("_bulk")]
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[2])[0] == hp.n_vocab
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[-1])[0] == 1  # ring
     assert head.shared_bytes <= FAKE_INFO.max_shared_per_block < GEMV_BULK_SHARED
+
+
+def test_the_gate_up_gemv_quantizes_its_row_in_a_cluster_where_the_device_has_clusters() -> None:
+    """Where the device has thread block clusters, the one-row gate|up GEMV over a row of
+    2048 columns launches its _cl kernel in clusters of GEMV_CLUSTER_BLOCKS (2), with no
+    rf_quantize_q8_gemv before it; the Q|K|V GEMV and the LM head keep theirs."""
+    handles, driver = one_decode_step(hparams(n_embd=2048, n_head=32, n_head_kv=8),
+                                      supports_clusters=True)  # fmt: skip
+    launched = [h.name for h in handles]
+    clusters = [cluster for *_, cluster in driver.prepared if cluster > 1]
+    assert [name for name in launched if name.endswith("_cl")] == ["rf_gemv_q4_0_b1_n2_swiglu_cl"]
+    assert launched.count("rf_quantize_q8_gemv") == 2
+    assert clusters == [GEMV_CLUSTER_BLOCKS]
 
 
 def test_a_bulk_gemv_ring_takes_the_slots_its_budget_fits_up_to_the_chunks_a_warp_takes() -> None:
@@ -554,6 +576,8 @@ def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
     wanted |= {f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
                f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
     wanted |= {f"rf_gemv_q4_0_b1_n{no}_bulk" for no in GEMV_ROWS_PER_WARP[("q4_0", "")]}
+    wanted |= {f"rf_gemv_q4_0_b1_n{no}_swiglu{q8}_cl"
+               for no in GEMV_ROWS_PER_WARP[("q4_0", "_swiglu")] for q8 in ("", "_q8")}  # fmt: skip
     assert wanted <= declared, sorted(wanted - declared)
 
 
@@ -566,7 +590,7 @@ def test_a_gate_up_quantizes_for_the_down_projection_where_its_32_blocks_spread_
     n_ff: int, spread: bool
 ) -> None:
     info = dataclasses.replace(FAKE_INFO, multiprocessors=132)
-    driver = SimpleNamespace(info=info, supports_bulk_copy=False)
+    driver = SimpleNamespace(info=info, supports_bulk_copy=False, supports_clusters=False)
     matmul = Matmul(driver, SimpleNamespace(launch=None), None, None, n_ctx=1, max_tokens=1,
                     vendor_gemm=None)  # fmt: skip
     assert matmul.swiglu_blocks_spread(n_ff) == spread

@@ -244,7 +244,7 @@ def test_launch_passes_the_cached_params(driver: FakeDriver) -> None:
     handle.set_args(16, 3, 0.5, 32)
     handle.launch(stream)
     # The API call was prepared once, at construction, with the handle's params array.
-    assert driver.prepared == [("k", (1, 1, 1), (32, 1, 1), 0, stream.handle, handle.params_ptr)]
+    assert driver.prepared == [("k", (1, 1, 1), (32, 1, 1), 0, stream.handle, handle.params_ptr, 1)]
     expected = struct.pack("<QifQ", 16, 3, 0.5, 32)
     assert driver.log == [("launch", "k", expected)] * 2
     assert handle.launches == 2 and handle.launch_ns > 0

@@ -217,7 +217,8 @@ class CudaDriver(Driver):
         )
         # Programmatic dependent launch and bulk copies need compute capability 9.0 (Hopper)
         # or newer.
-        self.supports_overlap = self.supports_bulk_copy = int(self.info.arch[3:].rstrip("af")) >= 90
+        hopper = int(self.info.arch[3:].rstrip("af")) >= 90
+        self.supports_overlap = self.supports_bulk_copy = self.supports_clusters = hopper
 
     def _device_info(self) -> DeviceInfo:
         cu, dev = self._cu, self._device
@@ -262,10 +263,11 @@ class CudaDriver(Driver):
         stream: Any,
         params_ptr: int,
         overlap: bool,
+        cluster: int,
     ) -> tuple[str, Callable[[], Any]]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
         cu = self._cu
-        if not overlap:
+        if not overlap and cluster == 1:
             call = functools.partial(
                 cu.cuLaunchKernel, function, *grid, *block, shared_bytes, stream, params_ptr, 0
             )
@@ -275,11 +277,22 @@ class CudaDriver(Driver):
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared_bytes
         config.hStream = stream
-        attribute = cu.CUlaunchAttribute()
-        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attribute]
-        config.numAttrs = 1
+        attributes = []
+        if overlap:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = (
+                cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            )
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        if cluster > 1:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dims = attribute.value.clusterDim
+            dims.x, dims.y, dims.z = cluster, 1, 1
+            attributes.append(attribute)
+        config.attrs = attributes
+        config.numAttrs = len(attributes)
         return "cuLaunchKernelEx", functools.partial(
             cu.cuLaunchKernelEx, config, function, params_ptr, 0
         )

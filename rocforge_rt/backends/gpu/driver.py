@@ -325,6 +325,9 @@ class Driver(ABC):
     # Whether kernels may copy from global into shared memory with the copy engine (bulk
     # copies completing on a shared-memory barrier, kernels/rf_portability.h).
     supports_bulk_copy = False
+    # Whether kernels may be launched in thread block clusters whose blocks read and write
+    # each other's shared memory (kernels/rf_portability.h, rf_cluster_*).
+    supports_clusters = False
 
     def __init__(
         self,
@@ -547,6 +550,7 @@ class Driver(ABC):
         stream: Stream,
         params_ptr: int,
         overlap: bool = False,
+        cluster: int = 1,
     ) -> Callable[[], None]:
         """A zero-argument launcher with every API argument bound once (the hot path).
 
@@ -555,12 +559,22 @@ class Driver(ABC):
         its copy), so that memory may be rewritten between calls. `overlap` asks for
         programmatic dependent launch where the device supports it (`supports_overlap`):
         the kernel must then call rf_pdl_wait() before it touches anything an earlier
-        kernel wrote.
+        kernel wrote. `cluster` > 1 launches the grid in clusters of that many blocks
+        (`supports_clusters` only; the grid a multiple of it).
         """
         self.check_thread()
         overlap = overlap and self.supports_overlap
+        if cluster > 1 and (not self.supports_clusters or grid[0] % cluster):
+            raise BackendError(f"no clusters of {cluster} blocks for a grid of {grid[0]} here")
         api, call = self._launcher(
-            function.handle, grid, block, shared_bytes, stream.handle, params_ptr, overlap
+            function.handle,
+            grid,
+            block,
+            shared_bytes,
+            stream.handle,
+            params_ptr,
+            overlap,
+            cluster,
         )
         counters = self.counters
 
@@ -689,11 +703,13 @@ class Driver(ABC):
         stream: Any,
         params_ptr: int,
         overlap: bool,
+        cluster: int,
     ) -> tuple[str, Callable[[], Any]]:
         """The launch API's name and its call with all arguments bound, returning the raw result.
 
         `overlap` (only passed True where `supports_overlap`): launch with programmatic
         dependent launch, so the kernel may start before the previous one finishes.
+        `cluster` (above 1 only where `supports_clusters`): blocks a thread block cluster.
         """
 
 

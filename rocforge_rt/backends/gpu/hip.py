@@ -306,9 +306,11 @@ class HipDriver(Driver):
         stream: Any,
         params_ptr: int,
         overlap: bool,
+        cluster: int,
     ) -> tuple[str, Callable[[], Any]]:
         # An int kernelParams is taken as the address of the void*[] as is: no packing here.
-        # HIP has no programmatic dependent launch (supports_overlap is False): no overlap.
+        # HIP has no programmatic dependent launch (supports_overlap is False): no overlap;
+        # nor clusters (supports_clusters is False): cluster is 1.
         call = functools.partial(
             self._hip.hipModuleLaunchKernel,
             function,

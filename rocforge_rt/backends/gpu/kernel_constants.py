@@ -26,6 +26,8 @@ EPILOGUE_STORE, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = 0, 1, 2
 GEMV_THREADS = Q8_NORM_THREADS  # a GEMV block normalizes its rows itself
 GEMV_MAX_ROWS = 8  # activation rows one GEMV launch takes
 GEMV_STAGES_PER_LANE = 1  # canonical-sum stages a GEMV lane takes per chunk (sizes its fold buffer)
+GEMV_CLUSTER_MAX_K = 8192  # widest row a cluster's GEMV blocks quantize together (shared memory)
+GEMV_CLUSTER_PIECES = 2  # 1024-column pieces a thread of such a cluster quantizes, at most
 MMV_MAX_ROWS = 64  # activation rows one rf_mmv launch takes; more take a prompt GEMM
 Q8_ROWS_THREADS = Q8_NORM_THREADS  # rf_quantize_q8_rows, the GEMM's and MMV's prologue
 Q8_ROWS_BLOCKS = Q8_ROWS_THREADS // 8  # quant blocks of a row one of its blocks takes
@@ -74,6 +76,8 @@ KERNEL_DEFINES: dict[str, int | str] = {
     "RF_EPILOGUE_SWIGLU": EPILOGUE_SWIGLU,
     "RF_GEMV_MAX_ROWS": GEMV_MAX_ROWS,
     "RF_GEMV_STAGES_PER_LANE": GEMV_STAGES_PER_LANE,
+    "RF_GEMV_CLUSTER_MAX_K": GEMV_CLUSTER_MAX_K,
+    "RF_GEMV_CLUSTER_PIECES": GEMV_CLUSTER_PIECES,
     "RF_Q8_ROWS_BLOCKS": Q8_ROWS_BLOCKS,
     "RF_GEMM_THREADS": GEMM_THREADS,
     "RF_GEMM_TILE_N": GEMM_TILE_N,

@@ -111,7 +111,8 @@ class LaunchHandle:
     """One kernel launch site: function, geometry, stream and its own packed arguments.
 
     `overlap` launches with programmatic dependent launch where the driver supports
-    it (the kernel waits for its predecessor itself; see rf_pdl_wait).
+    it (the kernel waits for its predecessor itself; see rf_pdl_wait); `cluster` > 1 in
+    thread block clusters of that many blocks.
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class LaunchHandle:
         arg_types: Sequence[str],
         tracker: LaunchOverheadTracker | None = None,
         overlap: bool = False,
+        cluster: int = 1,
         kernel_stats: ArgCacheStats | None = None,
     ) -> None:
         self.name = name
@@ -137,6 +139,7 @@ class LaunchHandle:
         self.grid = _dims("grid", grid)
         self.block = _dims("block", block)
         self.shared_bytes = int(shared_bytes)
+        self.cluster = cluster
         self.stream = stream
         self.layout = ArgLayout.of(arg_types)
         self._driver = driver
@@ -157,7 +160,14 @@ class LaunchHandle:
         self._last_values: tuple | None = None  # values known to pack to the stored bytes
         function.allow_dynamic_shared(self.shared_bytes)
         self._launch = driver.prepare_launch(
-            function, self.grid, self.block, self.shared_bytes, stream, self.params_ptr, overlap
+            function,
+            self.grid,
+            self.block,
+            self.shared_bytes,
+            stream,
+            self.params_ptr,
+            overlap,
+            cluster,
         )
         self.version = 0  # bumped by every repack; graphs compare it
         self.hits = 0

@@ -51,6 +51,7 @@ class Launcher:
         shared_bytes: int = 0,
         *,
         overlap: bool = False,
+        cluster: int = 1,
     ) -> LaunchHandle:
         """A launch handle of `kernel` on the stream, typed by the kernel's declaration."""
         return LaunchHandle(
@@ -64,6 +65,7 @@ class Launcher:
             arg_types=self.signatures[kernel],
             tracker=self.tracker,
             overlap=overlap,
+            cluster=cluster,
             kernel_stats=self.kernel_stats.setdefault(kernel, ArgCacheStats()),
         )
 
@@ -75,17 +77,21 @@ class Launcher:
         block: tuple[int, int, int],
         args: Sequence[int | float],
         shared_bytes: int = 0,
+        cluster: int = 1,
     ) -> None:
         """Launch through the handle that owns this call site; its args repack only on change.
 
-        A handle's geometry is fixed, so it is part of the key: a call site whose grid
-        or shared memory changes gets another handle, never a stale launch shape.
+        A handle's geometry (`cluster`: blocks a thread block cluster) is fixed, so it is
+        part of the key: a call site whose grid or shared memory changes gets another
+        handle, never a stale launch shape.
         """
         overlap = self.overlap_step
-        key = (*key, kernel, grid, block, shared_bytes, overlap)
+        key = (*key, kernel, grid, block, shared_bytes, overlap, cluster)
         handle = self.handles.get(key)
         if handle is None:
-            handle = self.new_handle(kernel, grid, block, shared_bytes, overlap=overlap)
+            handle = self.new_handle(
+                kernel, grid, block, shared_bytes, overlap=overlap, cluster=cluster
+            )
             self.handles[key] = handle
         handle.set_args(*args)
         self._issue(kernel, handle.launch)

@@ -38,6 +38,8 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     GEMM_THREADS,
     GEMM_TILE_M,
     GEMM_TILE_N,
+    GEMV_CLUSTER_MAX_K,
+    GEMV_CLUSTER_PIECES,
     GEMV_MAX_ROWS,
     GEMV_STAGES_PER_LANE,
     GEMV_THREADS,
@@ -91,6 +93,12 @@ GEMV_EARLY_RELEASE_BLOCKS_PER_SM = 2
 # (the down projection alone), 1,194 with none; 8B 438 with 2048, 340 with none.
 # SmolLM2's 576 and 1536 columns stay below it (it is bound by its launches).
 GEMV_PREQUANT_MIN_K = 2048
+# Blocks of a thread block cluster that normalize and quantize a one-row gate|up GEMV's row
+# together, in place of its rf_quantize_q8_gemv launch (kernels/gemv.hip, the _cl kernels;
+# 1: none). Decode A/B against 1 (H200, one run each beside llama.cpp, README "Single-stream
+# decode"): 1B shape +0.4%, at depth 4096 +4.4%, at 8192 +5.3%, 8B +1.1%. The Q|K|V GEMV
+# doing the same lost (1B -1.8%, -1.6% at depth 4096, 8B -1.8%), as did clusters of 4 (8B -10%).
+GEMV_CLUSTER_BLOCKS = 2
 # A one-row gate|up GEMV whose blocks own 32-blocks of outputs quantizes them for the down
 # projection (kernels/gemv.hip), saving its rf_quantize_q8_gemv launch, where no
 # multiprocessor holds more than this many times the mean of 32-blocks (their blocks do
@@ -268,6 +276,7 @@ class Matmul:
         self.vendor_min_flop = VENDOR_MIN_FLOP
         self.mmv_min_rows = MMV_MIN_ROWS
         self.gemv_prequant_min_k = GEMV_PREQUANT_MIN_K  # A/B levers
+        self.gemv_cluster_blocks = GEMV_CLUSTER_BLOCKS if driver.supports_clusters else 1
         self.quantize_swiglu = True
         self.swiglu_q8_imbalance = SWIGLU_Q8_IMBALANCE
         self.gemv_max_blocks_per_sm = GEMV_MAX_BLOCKS_PER_SM
@@ -388,7 +397,6 @@ class Matmul:
             else:
                 no, sums = multi_no, multi_sums
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
-            kernel += self._pool_suffix(rope_layer)
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             quantize_out = variant == "_swiglu" and self.quantize_swiglu
             if rows == 1 and quantize_out and self.swiglu_blocks_spread(n_out):
@@ -419,7 +427,13 @@ class Matmul:
             )
             x_ptr = x.ptr + first * k * 4
             xq_ptr = x.q8 if rows == 1 and gain is None else 0  # quantized by its writer
-            if rows == 1 and not xq_ptr and k >= self.gemv_prequant_min_k:
+            cluster = 1
+            if rows == 1 and not xq_ptr and gain is not None and k >= self.gemv_prequant_min_k:
+                cluster = self.quantize_cluster(matrix.fmt, variant, k, grid[0])
+            if cluster > 1:
+                kernel += "_cl"
+            kernel += self._pool_suffix(rope_layer)
+            if rows == 1 and not xq_ptr and cluster == 1 and k >= self.gemv_prequant_min_k:
                 xq_ptr = self.ws.gemv_xq.ptr
                 self._launch(
                     ("rf_quantize_q8_gemv", x_ptr, k, gain_ptr),
@@ -440,8 +454,31 @@ class Matmul:
                 (GEMV_THREADS, 1, 1),
                 head + tail + ring,
                 shared,
+                cluster,
             )
         return q8_out
+
+    def quantize_cluster(self, fmt: str, variant: str, k: int, grid: int) -> int:
+        """Blocks of the thread block cluster whose one-row gate|up GEMV blocks normalize
+        and quantize their row of `k` columns together (the Q4_0 `_swiglu[_q8]_cl` kernels,
+        through each other's shared memory), in place of an rf_quantize_q8_gemv launch:
+        `gemv_cluster_blocks` where that applies, else 1 (no clusters on the device; another
+        format or epilogue; a row not whole 1024-column pieces a block, up to
+        GEMV_CLUSTER_PIECES of them, or wider than GEMV_CLUSTER_MAX_K; a grid of partial
+        clusters)."""
+        blocks = self.gemv_cluster_blocks
+        pieces, part = divmod(k, 4 * GEMV_THREADS * blocks)
+        if (
+            blocks < 2
+            or fmt != "q4_0"
+            or variant != "_swiglu"
+            or part
+            or not 1 <= pieces <= GEMV_CLUSTER_PIECES
+            or k > GEMV_CLUSTER_MAX_K
+            or grid % blocks
+        ):
+            return 1
+        return blocks
 
     def _pool_suffix(self, rope_layer: int | None) -> str:
         """The GEMV / MMV kernel name's last suffix: a Q|K|V kernel (`rope_layer`) writes
