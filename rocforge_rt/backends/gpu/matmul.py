@@ -397,6 +397,7 @@ class Matmul:
             else:
                 no, sums = multi_no, multi_sums
                 kernel = f"rf_gemv_{matrix.fmt}_b{GEMV_MAX_ROWS}_n{no}{variant}"
+            kernel += self._pool_suffix(rope_layer)
             blocks = math.ceil(math.ceil(n_out / no) / warps)
             quantize_out = variant == "_swiglu" and self.quantize_swiglu
             if rows == 1 and quantize_out and self.swiglu_blocks_spread(n_out):
@@ -428,20 +429,20 @@ class Matmul:
             x_ptr = x.ptr + first * k * 4
             xq_ptr = x.q8 if rows == 1 and gain is None else 0  # quantized by its writer
             cluster = 1
-            if rows == 1 and not xq_ptr and gain is not None and k >= self.gemv_prequant_min_k:
-                cluster = self.quantize_cluster(matrix.fmt, variant, k, grid[0])
-            if cluster > 1:
-                kernel += "_cl"
-            kernel += self._pool_suffix(rope_layer)
-            if rows == 1 and not xq_ptr and cluster == 1 and k >= self.gemv_prequant_min_k:
-                xq_ptr = self.ws.gemv_xq.ptr
-                self._launch(
-                    ("rf_quantize_q8_gemv", x_ptr, k, gain_ptr),
-                    "rf_quantize_q8_gemv",
-                    (math.ceil(k // 4 / GEMV_THREADS), 1, 1),
-                    (GEMV_THREADS, 1, 1),
-                    (x_ptr, k, gain_ptr, self.hparams.rms_eps, xq_ptr),
-                )
+            if rows == 1 and not xq_ptr and k >= self.gemv_prequant_min_k:
+                if gain is not None:
+                    cluster = self.quantize_cluster(matrix.fmt, variant, k, grid[0])
+                if cluster > 1:
+                    kernel += "_cl"  # its cluster's blocks quantize the row together
+                else:
+                    xq_ptr = self.ws.gemv_xq.ptr
+                    self._launch(
+                        ("rf_quantize_q8_gemv", x_ptr, k, gain_ptr),
+                        "rf_quantize_q8_gemv",
+                        (math.ceil(k // 4 / GEMV_THREADS), 1, 1),
+                        (GEMV_THREADS, 1, 1),
+                        (x_ptr, k, gain_ptr, self.hparams.rms_eps, xq_ptr),
+                    )
             head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, x_ptr, rows, xq_ptr, gain_ptr,
                     self.hparams.rms_eps, release_early)  # fmt: skip
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
