@@ -72,11 +72,12 @@
 // rf_attention_fold_d<D>: the fold of a decode launch's parts (its `fold` = 0), in a kernel
 //   of its own: a block per (head, token), whose context of more than
 //   RF_ATTN_DECODE_TILES(D) tiles it folds as the decode kernel's last blocks would, into
-//   the same bits. Its threads copy a round's records into shared memory at once (one
-//   round trip), then fold them there: a context of one span by the first D / 4 threads
-//   (a thread per 4 dims); a longer one a span per D / 4 threads (GROUPS spans a round),
-//   whose states the first D / 4 fold in order. In a one-row step it also quantizes the
-//   head's output for the O projection (`xq`).
+//   the same bits. Its threads copy the records of as many spans as its shared memory
+//   holds (rf_attn_fold_shared: 160 tiles at D = 64) at once, one round trip, then fold
+//   them there: a context of one span by the first D / 4 threads (a thread per 4 dims); a
+//   longer one a span per D / 4 threads (GROUPS spans a round), whose states the first
+//   D / 4 fold in order. In a one-row step those threads also quantize the head's output
+//   for the O projection (`xq`) from their registers.
 //   Launch: grid (n_head, n_tokens), block RF_ATTN_WARPS * 32.
 // rf_attention_prefill_d<D>: the tokens of one slot (a prompt chunk), head dim D. A block
 //   takes one KV head and RF_ATTN_PREFILL_ROWS / group tokens: query rows (token, head of
@@ -824,15 +825,17 @@ RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d128_fp8(RF_ATTN_DECO
 }
 
 // ---------------------------------------------------------------------------------------
-// The fold kernel's shared memory: the records of a round (one span's up to
-// RF_ATTN_ONE_SPAN_TILES parts, or GROUPS spans' parts) and the round's span states.
+// The fold kernel's shared memory: the records of a copy (as many whole spans' parts as
+// fit 48 KiB of static shared memory beside the states, at least one span's up to
+// RF_ATTN_ONE_SPAN_TILES parts) and a round's span states.
 template <int D>
 struct rf_attn_fold_shared {
+    static constexpr int RECORD_BYTES = (D + 4) * 4;
     static constexpr int GROUPS = RF_ATTN_THREADS / (D / 4);  // spans folded at once
-    static constexpr int RECORDS = GROUPS * RF_ATTN_SPAN > RF_ATTN_ONE_SPAN_TILES
-                                       ? GROUPS * RF_ATTN_SPAN
-                                       : RF_ATTN_ONE_SPAN_TILES;
-    float records[RECORDS * (D + 4)];
+    static constexpr int SPANS = (48 * 1024 - GROUPS * RECORD_BYTES) /
+                                 (RF_ATTN_SPAN * RECORD_BYTES);  // spans a copy holds
+    static_assert(SPANS * RF_ATTN_SPAN >= RF_ATTN_ONE_SPAN_TILES, "a context of one span");
+    float records[SPANS * RF_ATTN_SPAN * (D + 4)];
     float states[GROUPS * (D + 4)];
 };
 
@@ -842,24 +845,31 @@ RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
                                          int max_tiles, const float* RF_RESTRICT partial,
                                          float* RF_RESTRICT out, uint8_t* RF_RESTRICT xq) {
     constexpr int RECORD = D + 4, GROUPS = rf_attn_fold_shared<D>::GROUPS;
+    constexpr int SPANS = rf_attn_fold_shared<D>::SPANS;
     static_assert(RECORD % 4 == 0, "records copied in 16-byte pieces");
     const int head = blockIdx.x, token = blockIdx.y;
-    rf_pdl_wait();
+    // The step state is read before the wait: the kernels that may still run (this layer's
+    // Q|K|V projection and its decode and fold launches) do not write it, and every kernel
+    // before the projection has finished (the projection releases its successor only after
+    // its own wait).
     const int length = positions[token] + 1;
     const int n_tiles = (length + RF_ATTN_TILE - 1) / RF_ATTN_TILE;
     if (n_tiles <= RF_ATTN_DECODE_TILES(D)) {
         return;  // the decode kernel's block 0 took the context alone and wrote the output
     }
+    rf_pdl_wait();
     const int max_spans = rf_attn_max_spans(max_tiles);
     const int64_t row = (int64_t)token * n_head + head;  // the (token, head) this block folds
     const float* parts = partial + row * (max_tiles + max_spans) * RECORD;
     const int n_spans = rf_attn_spans(n_tiles);
     const int group = (int)threadIdx.x / (D / 4), c = 4 * ((int)threadIdx.x % (D / 4));
-    const int round_tiles = n_spans == 1 ? n_tiles : GROUPS * RF_ATTN_SPAN;
     float big_m = -RF_INFINITY, big_l = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // group 0's
-    for (int s0 = 0; s0 < n_spans; s0 += GROUPS) {
-        const int first = s0 * RF_ATTN_SPAN, count = min(n_tiles - first, round_tiles);
-        __syncthreads();  // the previous round's records and states are folded
+    // Copies of up to SPANS spans' records, each in one round trip; then rounds of up to
+    // GROUPS spans, span s0 + g by group g, whose states group 0 folds in order.
+    for (int c0 = 0; c0 < n_spans; c0 += SPANS) {
+        const int first = c0 * RF_ATTN_SPAN;
+        const int count = n_spans == 1 ? n_tiles : min(n_tiles - first, SPANS * RF_ATTN_SPAN);
+        __syncthreads();  // the previous copy's records and states are folded
         const float* src = parts + first * RECORD;
         for (int i = (int)threadIdx.x; i < count * (RECORD / 4); i += RF_ATTN_THREADS) {
             rf_cp_async16(sh.records + 4 * i, src + 4 * i, true);
@@ -873,23 +883,36 @@ RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
             }
             break;
         }
-        const int spans = min(GROUPS, n_spans - s0);  // this round's: span s0 + g by group g
-        if (group < spans) {
-            float m = -RF_INFINITY, l = 0.0f, s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            rf_attn_fold_chain<D>(sh.records + group * RF_ATTN_SPAN * RECORD,
-                                  min(RF_ATTN_SPAN, count - group * RF_ATTN_SPAN), c, m, l, s);
-            rf_attn_store_state<D>(sh.states + group * RECORD, c, m, l, s, false);
+        const int copied = min(SPANS, n_spans - c0);
+        for (int s0 = 0; s0 < copied; s0 += GROUPS) {
+            const int spans = min(GROUPS, copied - s0);  // this round's
+            if (group < spans) {
+                const int span = s0 + group, tiles = min(RF_ATTN_SPAN, count - span * RF_ATTN_SPAN);
+                float m = -RF_INFINITY, l = 0.0f, s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                rf_attn_fold_chain<D>(sh.records + span * RF_ATTN_SPAN * RECORD, tiles, c, m, l, s);
+                rf_attn_store_state<D>(sh.states + group * RECORD, c, m, l, s, false);
+            }
+            __syncthreads();
+            if (group == 0) {
+                rf_attn_fold_chain<D>(sh.states, spans, c, big_m, big_l, a);
+            }
+            __syncthreads();  // the round's states are folded
         }
-        __syncthreads();
-        if (group == 0) {
-            rf_attn_fold_chain<D>(sh.states, spans, c, big_m, big_l, a);
-        }
+    }
+    if (threadIdx.x >= RF_WARP_SIZE) {
+        return;  // group 0's threads, the first D / 4 of warp 0, hold the output
+    }
+    rf_q8_f32x4 v;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v.v[e] = group == 0 ? a[e] / big_l : 0.0f;
     }
     if (group == 0) {
-        rf_attn_store_state<D>(out + row * D, c, big_m, big_l, a, true);
+        *(rf_q8_f32x4*)(out + row * D + c) = v;
     }
-    if (xq != nullptr) {  // a one-row step (token 0)
-        rf_attn_quantize_out<D>(out + row * D, head, 1, n_head * D, xq);
+    if (xq != nullptr) {  // a one-row step (token 0): from registers, as rf_attn_quantize_out
+        const rf_q8_rows rows = rf_q8_rows_at(xq, 1, n_head * D / RF_QK);
+        rf_quantize4(v, group == 0, 0, head * D + c, nullptr, 1.0f, rows);
     }
 }
 

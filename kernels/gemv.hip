@@ -121,15 +121,7 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
                 ss += rf_sum_squares(v[p]);
             }
         }
-        float inv_rms = 1.0f;
-        if (gain != nullptr) {
-            ss = rf_warp_sum(ss);
-            if (lane == 0) {
-                scratch[warp] = ss;
-            }
-            __syncthreads();
-            inv_rms = rf_gemv_inv_rms(scratch, 0, k, eps);
-        }
+        const float inv_rms = gain != nullptr ? rf_block_inv_rms(ss, k, eps, scratch) : 1.0f;
 #pragma unroll
         for (int p = 0; p < RF_GEMV_X_REGS; ++p) {
             const int base = p * RF_GEMV_THREADS + warp * RF_WARP_SIZE;
@@ -244,12 +236,7 @@ RF_DEVICE_INLINE void rf_quantize_row_cluster(const float* RF_RESTRICT x, int k,
     for (int j = 0; j < pieces; ++j) {
         ss += squares[j * RF_GEMV_THREADS + threadIdx.x];
     }
-    ss = rf_warp_sum(ss);
-    if (threadIdx.x % RF_WARP_SIZE == 0) {
-        scratch[threadIdx.x / RF_WARP_SIZE] = ss;
-    }
-    __syncthreads();
-    const float inv_rms = rf_gemv_inv_rms(scratch, 0, k, eps);
+    const float inv_rms = rf_block_inv_rms(ss, k, eps, scratch);
 #pragma unroll
     for (int p = 0; p < RF_GEMV_CLUSTER_PIECES; ++p) {
         if (p < mine) {

@@ -53,9 +53,25 @@ RF_DEVICE_INLINE rf_q8_f32x4 rf_normalize4(rf_q8_f32x4 v, float inv_rms, const r
     return v;
 }
 
+// inv_rms of a row from each thread's sum of squares `ss` over its pieces (a block of
+// RF_Q8_NORM_THREADS threads): a warp butterfly, then the warps' sums in warp order through
+// `partial`, shared memory of one float per warp. Every thread gets the same value.
+RF_DEVICE_INLINE float rf_block_inv_rms(float ss, int k, float eps, float* partial) {
+    ss = rf_warp_sum(ss);
+    if (threadIdx.x % RF_WARP_SIZE == 0) {
+        partial[threadIdx.x / RF_WARP_SIZE] = ss;
+    }
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < RF_Q8_NORM_THREADS / RF_WARP_SIZE; ++w) {
+        total += partial[w];
+    }
+    return rf_inv_rms(total, k, eps);
+}
+
 // inv_rms of row xr (k floats, 16-byte aligned) for a block of RF_Q8_NORM_THREADS threads,
-// in the order described above; `partial` is shared memory of one float per warp. Every
-// thread of the block calls it and gets the same value.
+// in the order described above (rf_block_inv_rms).
 RF_DEVICE_INLINE float rf_row_inv_rms(const float* xr, int k, float eps, float* partial) {
     float ss = 0.0f;
 #pragma unroll 4  // the pieces' loads in flight together (the sum's order is the loop's)
@@ -63,16 +79,7 @@ RF_DEVICE_INLINE float rf_row_inv_rms(const float* xr, int k, float eps, float* 
         const rf_q8_f32x4 v = *(const rf_q8_f32x4*)(xr + i);
         ss += rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
     }
-    ss = rf_warp_sum(ss);
-    if (threadIdx.x % RF_WARP_SIZE == 0) {
-        partial[threadIdx.x / RF_WARP_SIZE] = ss;
-    }
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < RF_Q8_NORM_THREADS / RF_WARP_SIZE; ++w) {
-        total += partial[w];
-    }
-    return rf_inv_rms(total, k, eps);
+    return rf_block_inv_rms(ss, k, eps, partial);
 }
 
 // The SwiGLU epilogue of the gate|up projection: silu(gate) * up.

@@ -179,8 +179,8 @@ void rf_argmax_advance(const float* RF_RESTRICT logits, int n_vocab, int32_t* RF
 // rf_sample_advance: each row's token under its sampling parameters
 //   (rocforge_rt/step/sampling.py states the rules; this is the same computation):
 //   greedy rows keep the argmax; other rows rank tokens by (logit desc, id asc), keep the
-//   top_k best, weigh each W = floor(expf((x - max) / T) * RF_SAMPLE_WEIGHT_SCALE) as an
-//   integer (0 when expf(x - max) < min_p), keep the shortest ranked prefix reaching
+//   top_k best, weigh each W = floor(rf_exp_f32((x - max) / T) * RF_SAMPLE_WEIGHT_SCALE) as
+//   an integer (0 when rf_exp_f32(x - max) < min_p), keep the shortest ranked prefix reaching
 //   ceil(top_p * total) and draw from it
 //   in id order with 64 hash bits of (seed, position). Rows asking for log-probabilities
 //   get their best `logprobs` alternatives, best first. Then it advances the step state
@@ -284,13 +284,19 @@ RF_DEVICE_INLINE int rf_rank_key_id(uint64_t key) {
     return (int)(0xFFFFFFFFu - (uint32_t)key);
 }
 
+// float32 exp(x), rounded from float64 (sampling.py exp_f32): the same bits as the host's,
+// where expf's last bit differs from numpy's float32 exp.
+RF_DEVICE_INLINE float rf_exp_f32(float x) {
+    return (float)exp((double)x);
+}
+
 RF_DEVICE_INLINE uint64_t rf_sample_weight(float v, float row_max, float temperature,
                                            float min_p) {
     const float gap = v - row_max;
-    if (min_p > 0.0f && expf(gap) < min_p) {
+    if (min_p > 0.0f && rf_exp_f32(gap) < min_p) {
         return 0;
     }
-    return (uint64_t)(expf(gap / temperature) * RF_SAMPLE_WEIGHT_SCALE);
+    return (uint64_t)(rf_exp_f32(gap / temperature) * RF_SAMPLE_WEIGHT_SCALE);
 }
 
 // ceil(top_p * total), at most total (double arithmetic, as sampling.py's nucleus()).

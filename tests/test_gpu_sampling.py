@@ -2,9 +2,11 @@
 (rocforge_rt/step/sampling.py), on the same logits; and seeded sampling end to end.
 
 The kernel ranks, cuts and draws in exact integer weights, as the reference does, so
-the tokens must be equal; only the float32 exp may differ in its last bit between the
-two, which moves a draw only when it lands within ~1e-7 of a boundary.
+the tokens must be equal: both take each weight's exp in float64 and round it to
+float32, so only an exp within a float64 ulp of a float32 rounding boundary could differ.
 """
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,6 +79,28 @@ def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
             np.testing.assert_allclose([v for _, v in out.top[row]],
                                        [v for _, v in want.top], atol=1e-4)  # fmt: skip
     assert mismatches == 0
+
+
+def test_thousands_of_equal_logits_draw_the_tokens_the_reference_draws():
+    """A vocabulary of few distinct logits weighs each value's copies alike, so an exp
+    whose last bit differed from the reference's would shift the draw's boundaries by
+    thousands of weights: the device and the reference must agree on every draw."""
+    n_vocab = 128256
+    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=64,
+                         max_tokens=ROWS, mode="deferred")  # fmt: skip
+    rng = np.random.default_rng(7)
+    logits = sampler_logits(rng, n_vocab, "ties")
+    gpu.driver.copy_htod(gpu.workspace.logits, logits)
+    hot = [SamplingParams(temperature=t) for t in (4.0, 1.0, 0.7, 1.5, 2.0, 0.9, 3.0, 1.2)]
+    for trial in range(48):
+        samplers = [Sampler(replace(p, seed=trial * ROWS + row)) for row, p in enumerate(hot)]
+        positions = rng.integers(0, 60, ROWS).tolist()
+        batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)),
+                                 RowSampling.of(samplers))  # fmt: skip
+        out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
+        for row, sampler in enumerate(samplers):
+            want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
+            assert int(out.tokens[row]) == want.token, (trial, row, positions[row], sampler.seed)
 
 
 PENALIZED = [

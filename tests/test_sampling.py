@@ -101,6 +101,17 @@ def test_weights_are_exact_integers_and_the_nucleus_reaches_top_p():
     assert int(weights[:kept].sum()) >= math.ceil(0.9 * total) > int(weights[: kept - 1].sum())
 
 
+def test_each_weight_is_the_exp_of_its_gap_rounded_to_float32_from_float64():
+    """The weights' exp is the float64 exp rounded once to float32 (what the device
+    computes too), not a float32 exp whose last bit depends on the library."""
+    logits = np.round(np.random.default_rng(3).standard_normal(4000) * 2).astype(np.float32) / 2
+    params = SamplingParams(temperature=0.7)
+    candidates, weights = candidate_weights(logits, params)
+    gaps = (logits[candidates] - logits.max()) / np.float32(0.7)
+    rounded = np.array([np.float32(math.exp(float(g))) for g in gaps], dtype=np.float32)
+    assert weights.tolist() == (rounded * np.float32(2.0**40)).astype(np.uint64).tolist()
+
+
 def test_logprobs_report_the_best_alternatives_in_order():
     sampled = Sampler(SamplingParams(logprobs=3)).sample(LOGITS, 1)
     assert [t for t, _ in sampled.top] == [1, 2, 0]

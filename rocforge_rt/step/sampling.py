@@ -12,9 +12,12 @@ in numpy (the CPU backend runs it, the GPU tests compare kernels/sampling.hip to
 - Greedy (temperature 0, or top_k 1): the argmax, lowest index among equal maxima.
 - Otherwise tokens are ranked by logit, then by index (lower first). The candidates
   are the top_k best (all when top_k is 0). Each candidate weighs
-  W = floor(exp((x - max) / temperature) * 2^40) in integers (float32 exp), so every
-  sum below is exact and the same in any order; min_p > 0 gives weight 0 to a token
-  whose exp(x - max) (float32, temperature 1: llama.cpp's min-p) is below min_p.
+  W = floor(exp((x - max) / temperature) * 2^40) in integers, so every sum below is
+  exact and the same in any order; min_p > 0 gives weight 0 to a token whose exp(x - max)
+  (temperature 1: llama.cpp's min-p) is below min_p. The quotient is float32; each exp is
+  taken in float64 and rounded to float32 (`exp_f32`), the same on every platform and on
+  the device: float32 exps differ between libraries in the last bit, and with many equal
+  logits (every copy off alike) that moved the draw's boundaries by thousands of weights.
   top_p < 1 keeps the shortest ranked prefix whose weight reaches ceil(top_p * total),
   the nucleus (so min-p cuts before top-p; llama.cpp cuts after, which differs only
   when both are set). The draw is a 64-bit hash of (seed, position of the drawn token)
@@ -263,6 +266,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.sum(np.exp(shifted)))
 
 
+def exp_f32(x: np.ndarray) -> np.ndarray:
+    """float32 exp(x), rounded from float64 (kernels/sampling.hip rf_exp_f32)."""
+    return np.exp(np.asarray(x, dtype=np.float64)).astype(np.float32)
+
+
 def candidate_weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """The ranked top-k candidates and their integer weights (see the module docstring)."""
     x = np.asarray(logits, dtype=np.float32)
@@ -271,9 +279,9 @@ def candidate_weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.nd
     candidates = order[:k]
     gap = x[candidates] - x.max()
     with np.errstate(under="ignore", over="ignore"):  # a tiny temperature: -inf, weight 0
-        w = np.exp(gap / np.float32(params.temperature))
+        w = exp_f32(gap / np.float32(params.temperature))
         if params.min_p > 0:
-            w = np.where(np.exp(gap) >= np.float32(params.min_p), w, np.float32(0))
+            w = np.where(exp_f32(gap) >= np.float32(params.min_p), w, np.float32(0))
     return candidates, (w.astype(np.float32) * WEIGHT_SCALE).astype(np.uint64)
 
 
