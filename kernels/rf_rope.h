@@ -32,11 +32,17 @@ struct rf_rope_at {
     int64_t cache_row;
 };
 
+// Whether the pair at element e (even) of a Q|K|V row is rotated: in q or k, and among
+// the first rope_dims / 2 pairs of its head.
+RF_DEVICE_INLINE bool rf_rope_rotates(const rf_rope_out& r, int e) {
+    return e < r.q_dim + r.kv_dim && (e % r.head_dim) / 2 < r.rope_dims / 2;
+}
+
 RF_DEVICE_INLINE rf_rope_at rf_rope_fetch(const rf_rope_out& r, int t, int e) {
     const int pos = r.positions[t];
     rf_rope_at at{1.0f, 0.0f, (int64_t)r.slots[t] * r.n_ctx + pos};
-    const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
-    if (e < r.q_dim + r.kv_dim && pair < half) {
+    if (rf_rope_rotates(r, e)) {
+        const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
         at.c = r.cos_table[(int64_t)pos * half + pair];
         at.s = r.sin_table[(int64_t)pos * half + pair];
     }
@@ -47,8 +53,7 @@ RF_DEVICE_INLINE rf_rope_at rf_rope_fetch(const rf_rope_out& r, int t, int e) {
 // being rf_rope_fetch(r, t, e).
 RF_DEVICE_INLINE void rf_rope_store_at(const rf_rope_out& r, int t, int e, const rf_rope_at& at,
                                        float y0, float y1) {
-    const int pair = (e % r.head_dim) / 2, half = r.rope_dims / 2;
-    if (e < r.q_dim + r.kv_dim && pair < half) {
+    if (rf_rope_rotates(r, e)) {
         const float even = y0, odd = y1;
         y0 = fmaf(even, at.c, -(odd * at.s));
         y1 = fmaf(even, at.s, odd * at.c);

@@ -54,22 +54,34 @@ def sampler_logits(rng: np.random.Generator, n_vocab: int, kind: str) -> np.ndar
     return x
 
 
+def sampling_backend(logits: np.ndarray):
+    """A CUDA backend of ROWS slots whose logits buffer holds `logits` [ROWS, n_vocab]."""
+    gpu = create_backend("cuda", hparams(n_vocab=logits.shape[1]), n_slots=ROWS, n_ctx=64,
+                         max_tokens=ROWS, mode="deferred")  # fmt: skip
+    gpu.driver.copy_htod(gpu.workspace.logits, logits)
+    return gpu
+
+
+def sample_on_device(gpu, samplers: list[Sampler], positions: list[int]):
+    """One decode step's sampling of the logits buffer, row r by samplers[r] for the token
+    after positions[r]."""
+    batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)), RowSampling.of(samplers))
+    logits = Activation(gpu.workspace.logits, ROWS, gpu.hparams.n_vocab)
+    return gpu.run_step(batch, lambda _: logits, False)
+
+
 # 600000: more argmax slices than the combining block has threads (ARGMAX_SLICE, ARGMAX_THREADS).
 @pytest.mark.parametrize("n_vocab", [1000, 49152, 128256, 270000, 600000])
 @pytest.mark.parametrize("kind", ["spread", "peaked", "ties"])
 def test_device_sampler_picks_what_the_reference_picks(n_vocab, kind):
-    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=64,
-                         max_tokens=ROWS, mode="deferred")  # fmt: skip
     rng = np.random.default_rng(n_vocab + len(kind))
     logits = sampler_logits(rng, n_vocab, kind)
-    gpu.driver.copy_htod(gpu.workspace.logits, logits)
+    gpu = sampling_backend(logits)
     mismatches = 0
     for trial in range(12):
         samplers = [Sampler(p) for p in PARAMS]
         positions = rng.integers(0, 60, ROWS).tolist()
-        batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)),
-                                 RowSampling.of(samplers))  # fmt: skip
-        out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
+        out = sample_on_device(gpu, samplers, positions)
         for row, sampler in enumerate(samplers):
             want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
             mismatches += int(out.tokens[row]) != want.token
@@ -85,19 +97,14 @@ def test_thousands_of_equal_logits_draw_the_tokens_the_reference_draws():
     """A vocabulary of few distinct logits weighs each value's copies alike, so an exp
     whose last bit differed from the reference's would shift the draw's boundaries by
     thousands of weights: the device and the reference must agree on every draw."""
-    n_vocab = 128256
-    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=64,
-                         max_tokens=ROWS, mode="deferred")  # fmt: skip
     rng = np.random.default_rng(7)
-    logits = sampler_logits(rng, n_vocab, "ties")
-    gpu.driver.copy_htod(gpu.workspace.logits, logits)
+    logits = sampler_logits(rng, 128256, "ties")
+    gpu = sampling_backend(logits)
     hot = [SamplingParams(temperature=t) for t in (4.0, 1.0, 0.7, 1.5, 2.0, 0.9, 3.0, 1.2)]
     for trial in range(48):
         samplers = [Sampler(replace(p, seed=trial * ROWS + row)) for row, p in enumerate(hot)]
         positions = rng.integers(0, 60, ROWS).tolist()
-        batch = StepBatch.decode([0] * ROWS, positions, list(range(ROWS)),
-                                 RowSampling.of(samplers))  # fmt: skip
-        out = gpu.run_step(batch, lambda _: Activation(gpu.workspace.logits, ROWS, n_vocab), False)
+        out = sample_on_device(gpu, samplers, positions)
         for row, sampler in enumerate(samplers):
             want = sample_row(logits[row], sampler.params, sampler.seed, positions[row] + 1)
             assert int(out.tokens[row]) == want.token, (trial, row, positions[row], sampler.seed)

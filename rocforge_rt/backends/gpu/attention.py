@@ -43,8 +43,10 @@ from rocforge_rt.step.batch import StepBatch
 # blocks (their fences and counters, and a folding block's serial loads). Measured (1B
 # shape, one row, H200; fold kernel always against never): 17-18 tiles -1.6% / -1.6%,
 # 25-26 +0.5% / +0.8%, 32-34 +3.2% / +2.2%, 65-66 +5.0%, 129-130 +1.0% (docs/bench/
-# decode-20261128d/); the 8B shape at 65-66 tiles +1.6%.
-FOLD_KERNEL_MIN_TILES = 24
+# decode-20261128d/); the 8B shape at 65-66 tiles +1.6%. Since the fold kernel reads the
+# step state before its wait and quantizes from registers (docs/bench/decode-20261129c/
+# foldmin-*.json): 5-6 tiles -1.3%, 9-10 +0.4%, 17-18 +1.9%.
+FOLD_KERNEL_MIN_TILES = 9
 HEAD_DIM_STEP = 32  # the kernels are instantiated for head dims 32, 64, 96 and 128
 LOG2_E = 1.4426950408889634  # the kernels' scores are in the log2 domain
 
