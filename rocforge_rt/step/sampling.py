@@ -294,14 +294,24 @@ def nucleus(weights: np.ndarray, top_p: float) -> int:
     return int(np.searchsorted(np.cumsum(weights, dtype=np.uint64), target, side="left")) + 1
 
 
-def draw(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
-    """A token drawn at random under `params` (not greedy) for context position `position`."""
+def nucleus_by_id(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The nucleus a draw looks up: its token ids in id order and their cumulative weights
+    (uint64; the last is the nucleus weight)."""
     candidates, weights = candidate_weights(logits, params)
     kept = nucleus(weights, params.top_p)
     by_id = np.argsort(candidates[:kept], kind="stable")
-    ids, cumulative = candidates[:kept][by_id], np.cumsum(weights[:kept][by_id], dtype=np.uint64)
-    mass = int(cumulative[-1])
-    r = (draw_bits(seed, position) * mass) >> 64
+    return candidates[:kept][by_id], np.cumsum(weights[:kept][by_id], dtype=np.uint64)
+
+
+def draw_point(cumulative: np.ndarray, seed: int, position: int) -> int:
+    """Where the draw at `position` falls in the nucleus weight: [0, cumulative[-1])."""
+    return (draw_bits(seed, position) * int(cumulative[-1])) >> 64
+
+
+def draw(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
+    """A token drawn at random under `params` (not greedy) for context position `position`."""
+    ids, cumulative = nucleus_by_id(logits, params)
+    r = draw_point(cumulative, seed, position)
     return int(ids[int(np.searchsorted(cumulative, r, side="right"))])
 
 
