@@ -21,6 +21,7 @@ from rocforge_rt.step.sampling import (
     RowSampling,
     Sampler,
     SamplingParams,
+    draw_bits,
     draw_point,
     nucleus_by_id,
     recent_window,
@@ -99,13 +100,6 @@ NEAR_BITS = 34  # a near draw falls within cumulative[-1] / 2^NEAR_BITS of a tok
 _U64 = np.uint64
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """sampling.mix64 on uint64 arrays (wrapping)."""
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
-
-
 def _mulhi(a: np.ndarray, b: np.uint64) -> np.ndarray:
     """The high 64 bits of a * b, uint64 (kernels/sampling.hip rf_mulhi64)."""
     low = _U64(0xFFFFFFFF)
@@ -129,17 +123,16 @@ def seeds_drawing_near_a_boundary(cumulative: np.ndarray, position: int, count: 
     reference's own draw_point."""
     mass, margin = int(cumulative[-1]), int(cumulative[-1]) >> NEAR_BITS
     found: list[int] = []
-    with np.errstate(over="ignore"):  # the hash's arithmetic wraps, as the reference masks
-        for start in range(0, 1 << 32, 1 << 20):
-            seeds = np.arange(start, start + (1 << 20), dtype=np.uint64)
-            bits = _mix64(_mix64(seeds) + _U64(position) * _U64(0x9E3779B97F4A7C15))
-            near = seeds[boundary_distance(cumulative, _mulhi(bits, _U64(mass))) < margin]
-            for seed in near[: count - len(found)].tolist():
-                r = draw_point(cumulative, seed, position)
-                assert boundary_distance(cumulative, np.array([r], dtype=np.uint64))[0] < margin
-                found.append(seed)
-            if len(found) == count:
-                return found
+    for start in range(0, 1 << 32, 1 << 20):
+        seeds = np.arange(start, start + (1 << 20), dtype=np.uint64)
+        bits = draw_bits(seeds, position)
+        near = seeds[boundary_distance(cumulative, _mulhi(bits, _U64(mass))) < margin]
+        for seed in near[: count - len(found)].tolist():
+            r = draw_point(cumulative, seed, position)
+            assert boundary_distance(cumulative, np.array([r], dtype=np.uint64))[0] < margin
+            found.append(seed)
+        if len(found) == count:
+            return found
     raise AssertionError("too few near draws")
 
 

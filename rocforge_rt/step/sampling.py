@@ -251,9 +251,10 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def draw_bits(seed: int, position: int) -> int:
-    """The 64 random bits of the draw at `position` (kernels/sampling.hip rf_draw_bits)."""
-    return mix64((mix64(seed) + position * _GOLDEN64) & _MASK64)
+def draw_bits(seed: int | np.ndarray, position: int) -> int | np.ndarray:
+    """The 64 random bits of the draw at `position` (kernels/sampling.hip rf_draw_bits), of
+    an int seed, or of each of a uint64 array of seeds (its sums wrap as the masks do)."""
+    return mix64((mix64(seed) + (position * _GOLDEN64 & _MASK64)) & _MASK64)
 
 
 def rank_order(logits: np.ndarray) -> np.ndarray:
