@@ -5,7 +5,10 @@ Decode tokens/s: greedy batch-1 generation of --n-decode tokens after a 1-token
 prompt (llama-bench's tg128); the same sampled at temperature 0.8, top-k 40, top-p
 0.95 (the device sampler's cost). Prompt tokens/s: prefill of --n-prompt tokens
 (llama-bench's pp512). --depth D decodes after a D-token prompt instead (llama-bench
--d D). Each engine is loaded and warmed up once; then --rounds rounds each time
+-d D); several depths (--depth 128,4096,8192, as llama-bench's -d) are timed on the same
+engines in turn each round, and each mode's JSON gains `at_depth` (the decode figures of
+every depth) and `depth_cost` (the fraction of decode tokens/s each later depth loses
+against the first). Each engine is loaded and warmed up once; then --rounds rounds each time
 --repeats runs of every figure on every engine and, with --llamacpp
 PATH-TO-llama-bench, one llama-bench call on the same file (all layers on the GPU,
 or none with --backend cpu), in turn. Figures are medians over all runs (llama-bench:
@@ -28,6 +31,7 @@ import shlex
 import statistics
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +79,14 @@ def arg_cache_off_step_stats(
         set_arg_cache_enabled(True)
 
 
+@dataclass
+class DecodeRuns:
+    """An engine's decode tokens/s runs at one depth, greedy and sampled."""
+
+    greedy: list[float] = field(default_factory=list)
+    sampled: list[float] = field(default_factory=list)
+
+
 class ModeBench:
     """One engine (a step mode, with or without overlap and pipelining), loaded and warmed
     up once, then timed once per round."""
@@ -91,7 +103,7 @@ class ModeBench:
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         options["kv_dtype"] = kv_dtype
-        n_ctx = max(args.n_prompt, args.depth) + args.n_decode + 8
+        n_ctx = max(args.n_prompt, *args.depth) + args.n_decode + 8
         self.args = args
         self.mode = mode
         with kernel_sources(kernels[1] if kernels else None):
@@ -107,45 +119,68 @@ class ModeBench:
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
         self.rng = np.random.default_rng(0)
-        self.runs: dict[str, list[float]] = {"decode": [], "decode_sampled": [], "prompt": []}
+        self.prompt_runs: list[float] = []
+        self.decode_runs = {d: DecodeRuns() for d in args.depth}
         engine, rng = self.engine, self.rng
         decode_tokens_per_s(engine, 8, rng)  # warm-up: compile, capture, first touches
         decode_tokens_per_s(engine, 8, rng, BENCH_SAMPLING)  # ... and the sampling step's graph
         prompt_tokens_per_s(engine, args.n_prompt, rng)  # the prompt's launch handles, too
 
     def round(self) -> None:
-        """`repeats` runs of each figure."""
+        """`repeats` runs of each figure, depth after depth."""
         args, engine, rng = self.args, self.engine, self.rng
+        for depth, runs in self.decode_runs.items():
+            for _ in range(args.repeats):
+                runs.greedy.append(decode_tokens_per_s(engine, args.n_decode, rng, depth=depth))
+            for _ in range(args.repeats):
+                runs.sampled.append(
+                    decode_tokens_per_s(engine, args.n_decode, rng, BENCH_SAMPLING, depth=depth)
+                )
         for _ in range(args.repeats):
-            self.runs["decode"].append(
-                decode_tokens_per_s(engine, args.n_decode, rng, depth=args.depth)
-            )
-        for _ in range(args.repeats):
-            self.runs["decode_sampled"].append(
-                decode_tokens_per_s(engine, args.n_decode, rng, BENCH_SAMPLING, depth=args.depth)
-            )
-        for _ in range(args.repeats):
-            self.runs["prompt"].append(prompt_tokens_per_s(engine, args.n_prompt, rng))
+            self.prompt_runs.append(prompt_tokens_per_s(engine, args.n_prompt, rng))
 
-    def result(self) -> dict[str, object]:
-        engine, runs, args = self.engine, self.runs, self.args
-        result: dict[str, object] = {
-            "decode_tokens_per_s": statistics.median(runs["decode"]),
-            "decode_sampled_tokens_per_s": statistics.median(runs["decode_sampled"]),
-            "prompt_tokens_per_s": statistics.median(runs["prompt"]),
-            "decode_runs": runs["decode"],
-            "decode_sampled_runs": runs["decode_sampled"],
-            "prompt_runs": runs["prompt"],
-            "device": engine.backend.device_info(),
-            "decode_step": decode_step_stats(engine, args.n_decode, self.rng, args.depth),
+    def decode_figures(self, depth: int) -> dict[str, object]:
+        """The decode medians, runs and step counters at `depth`."""
+        runs, args = self.decode_runs[depth], self.args
+        figures: dict[str, object] = {
+            "decode_tokens_per_s": statistics.median(runs.greedy),
+            "decode_sampled_tokens_per_s": statistics.median(runs.sampled),
+            "decode_runs": runs.greedy,
+            "decode_sampled_runs": runs.sampled,
+            "decode_step": decode_step_stats(self.engine, args.n_decode, self.rng, depth),
         }
         if self.mode == "deferred":  # host cost of issuing a step, with and without the cache
-            result["decode_step_arg_cache_off"] = arg_cache_off_step_stats(
-                engine, args.n_decode, self.rng, args.depth
+            figures["decode_step_arg_cache_off"] = arg_cache_off_step_stats(
+                self.engine, args.n_decode, self.rng, depth
             )
+        return figures
+
+    def result(self) -> dict[str, object]:
+        """The first depth's decode figures and the prompt's; with several depths, every
+        depth's under `at_depth` and what each later one costs under `depth_cost`."""
+        first, *later = self.args.depth
+        at_depth = {depth: self.decode_figures(depth) for depth in self.args.depth}
+        result: dict[str, object] = {
+            **at_depth[first],
+            "prompt_tokens_per_s": statistics.median(self.prompt_runs),
+            "prompt_runs": self.prompt_runs,
+            "device": self.engine.backend.device_info(),
+        }
+        if later:
+            result["at_depth"] = {str(depth): figures for depth, figures in at_depth.items()}
+            result["depth_cost"] = {
+                str(depth): 1.0
+                - at_depth[depth]["decode_tokens_per_s"] / at_depth[first]["decode_tokens_per_s"]
+                for depth in later
+            }
+        decode = ", ".join(
+            f"{at_depth[d]['decode_tokens_per_s']:9.1f} tok/s"
+            f" (sampled {at_depth[d]['decode_sampled_tokens_per_s']:9.1f})"
+            + (f" at depth {d}" if later else "")
+            for d in self.args.depth
+        )
         print(
-            f"{self.label:>28}: decode {result['decode_tokens_per_s']:9.1f} tok/s"
-            f" (sampled {result['decode_sampled_tokens_per_s']:9.1f})"
+            f"{self.label:>28}: decode {decode}"
             f" | prompt {result['prompt_tokens_per_s']:10.1f} tok/s",
             file=sys.stderr,
         )
@@ -179,10 +214,32 @@ def mode_label(mode: str, overlap: bool, lookahead: bool) -> str:
     return mode + ("" if overlap else " (no overlap)") + ("" if lookahead else " (not pipelined)")
 
 
-def llama_bench_figures(run: LlamaBenchRun) -> dict[str, float]:
-    """tg and pp tokens/s of a llama-bench run."""
+def llama_bench_figures(run: LlamaBenchRun, depths: list[int]) -> dict[int, dict[str, float]]:
+    """tg and pp tokens/s of a llama-bench run by depth (its rows' n_depth; a build that
+    prints none ran the one depth asked for)."""
     key = {True: "decode_tokens_per_s", False: "prompt_tokens_per_s"}
-    return {key[bool(row["n_gen"])]: float(row["avg_ts"]) for row in run.rows}
+    figures: dict[int, dict[str, float]] = {}
+    for row in run.rows:
+        if "n_depth" not in row and len(depths) > 1:
+            raise LlamaBenchError("llama-bench printed no n_depth: too old for several depths")
+        depth = int(row.get("n_depth", depths[0]))
+        figures.setdefault(depth, {})[key[bool(row["n_gen"])]] = float(row["avg_ts"])
+    if missing := sorted(set(depths) - set(figures)):
+        raise LlamaBenchError(f"llama-bench printed no figures at depth {missing}")
+    return figures
+
+
+def depth_list(text: str) -> list[int]:
+    """--depth: one depth or several, comma separated (llama-bench's -d)."""
+    try:
+        depths = [int(part) for part in text.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 0 or len(set(depths)) < len(depths):
+        raise argparse.ArgumentTypeError(
+            f"expected depths >= 0, comma separated, none twice, got {text!r}"
+        )
+    return depths
 
 
 def main() -> int:
@@ -194,8 +251,9 @@ def main() -> int:
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--depth", type=int, default=0,
-        help="decode after a prompt of this many tokens (llama-bench -d); 0: after one token",
+        "--depth", type=depth_list, default=[0],
+        help="decode after a prompt of this many tokens (llama-bench -d; several: 128,4096);"
+        " 0: after one token",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -252,16 +310,18 @@ def main() -> int:
         seen[bench.label] = seen.get(bench.label, 0) + 1
         if seen[bench.label] > 1:
             bench.label += f" #{seen[bench.label]}"
+    first_depth, *later_depths = args.depth
     report: dict[str, object] = {"model": args.model, "backend": args.backend,
-                                 "depth": args.depth, "rounds": args.rounds}  # fmt: skip
-    peer_rounds: list[dict[str, float]] = []
+                                 "depth": args.depth if later_depths else first_depth,
+                                 "rounds": args.rounds}  # fmt: skip
+    peer_rounds: list[dict[int, dict[str, float]]] = []
     status = 0
     for _ in range(args.rounds):  # ours, then llama-bench, in turn
         for bench in benches:
             bench.round()
         if args.llamacpp and status == 0:
             extra = shlex.split(args.llamacpp_args) + (
-                ["-d", str(args.depth)] if args.depth else []
+                ["-d", ",".join(map(str, args.depth))] if args.depth != [0] else []
             )
             try:
                 run = llama_bench(args.llamacpp, args.model, n_prompt=args.n_prompt,
@@ -271,26 +331,56 @@ def main() -> int:
                 print(f"error: {e}", file=sys.stderr)
                 status = 1
             else:
-                peer_rounds.append(llama_bench_figures(run))
+                try:
+                    peer_rounds.append(llama_bench_figures(run, args.depth))
+                except LlamaBenchError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    status = 1
                 report["llamacpp_command"] = shlex.join(run.command)
                 report["llamacpp_build"] = run.build()
     report["modes"] = {bench.label: bench.result() for bench in benches}
     if peer_rounds and status == 0:
-        peer = {k: statistics.median(r[k] for r in peer_rounds) for k in peer_rounds[0]}
-        report["llamacpp"] = peer
-        report["llamacpp_rounds"] = peer_rounds
-        # At a depth llama-bench's pp test starts there too, ours does not: no prompt ratio.
-        compared = ["decode_tokens_per_s"] + ([] if args.depth else ["prompt_tokens_per_s"])
-        report["ratios"] = {
-            name: {k: figures[k] / peer[k] for k in compared}
-            for name, figures in report["modes"].items()
-        }
-        for name, ratio in report["ratios"].items():
-            line = ", ".join(f"x{ratio[k]:.2f} {k.split('_')[0]}" for k in compared)
-            print(f"{name:>28}: {line} vs llama.cpp", file=sys.stderr)
+        report.update(peer_report(report["modes"], peer_rounds, args.depth))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return status
+
+
+def peer_report(
+    modes: dict[str, dict], peer_rounds: list[dict[int, dict[str, float]]], depths: list[int]
+) -> dict[str, object]:
+    """llama.cpp's medians over its rounds and our ratios to them (printed too), laid out
+    as the modes are: the first depth's flat, every depth's under `at_depth` when several."""
+    first, *later = depths
+    peer = {
+        d: {k: statistics.median(r[d][k] for r in peer_rounds) for k in peer_rounds[0][d]}
+        for d in depths
+    }
+    report: dict[str, object] = {"llamacpp": dict(peer[first]), "ratios": {}}
+    if later:
+        report["llamacpp"]["at_depth"] = {str(d): peer[d] for d in depths}
+        report["llamacpp_rounds"] = [{str(d): r[d] for d in depths} for r in peer_rounds]
+    else:
+        report["llamacpp_rounds"] = [r[first] for r in peer_rounds]
+    for name, figures in modes.items():
+        at_depth = figures.get("at_depth", {})
+        ratios = {d: ratios_to_peer({**figures, **at_depth.get(str(d), {})}, peer[d], d)
+                  for d in depths}  # fmt: skip
+        report["ratios"][name] = dict(ratios[first])
+        if later:
+            report["ratios"][name]["at_depth"] = {str(d): ratios[d] for d in depths}
+        for d, ratio in ratios.items():
+            line = ", ".join(f"x{v:.2f} {k.split('_')[0]}" for k, v in ratio.items())
+            where = f" at depth {d}" if later else ""
+            print(f"{name:>28}: {line} vs llama.cpp{where}", file=sys.stderr)
+    return report
+
+
+def ratios_to_peer(ours: dict, peer: dict[str, float], depth: int) -> dict[str, float]:
+    """Our figures over llama.cpp's at one depth: decode, and the prompt at depth 0 only
+    (at a depth llama-bench's pp test starts there too, ours does not)."""
+    compared = ["decode_tokens_per_s"] + ([] if depth else ["prompt_tokens_per_s"])
+    return {k: ours[k] / peer[k] for k in compared}
 
 
 if __name__ == "__main__":

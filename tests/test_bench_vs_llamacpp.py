@@ -1,8 +1,8 @@
 """scripts/bench_prefill.py and bench_decode.py beside llama-bench, on the tiny model (CPU).
 
 A fake llama-bench (a Python script written into tmp_path) stands in for llama.cpp's: it
-prints llama-bench-shaped JSON, timing a pp test at 10 us a token (x 1.01 per repetition),
-and logs its arguments.
+prints llama-bench-shaped JSON, timing a pp test at 10 us a token (x 1.01 per repetition,
+x (1 + d / 1000) at depth d, a row per test and depth of -d), and logs its arguments.
 """
 
 import json
@@ -27,14 +27,16 @@ reps = int(arg["-r"])
 build = {{"build_commit": "fa4e1c0", "build_number": 4321, "backends": "CPU",
          "cpu_info": "Fake CPU @ 3 GHz", "gpu_info": ""}}
 rows = []
-for kind, n in (("p", int(arg["-p"])), ("n", int(arg["-n"]))):
-    if n:
-        ns = [int(n * 10_000 * 1.01**i) for i in range(reps)]
-        ts = [n * 1e9 / t for t in ns]
-        rows.append({{**build, "model_filename": arg["-m"], "n_gpu_layers": int(arg["-ngl"]),
-                     "flash_attn": arg["-fa"] == "1", "n_prompt": n if kind == "p" else 0,
-                     "n_gen": n if kind == "n" else 0, "avg_ns": sum(ns) // reps,
-                     "avg_ts": sum(ts) / reps, "samples_ns": ns, "samples_ts": ts}})
+for depth in map(int, arg.get("-d", "0").split(",")):
+    for kind, n in (("p", int(arg["-p"])), ("n", int(arg["-n"]))):
+        if n:
+            ns = [int(n * 10_000 * 1.01**i * (1 + depth / 1000)) for i in range(reps)]
+            ts = [n * 1e9 / t for t in ns]
+            rows.append({{**build, "model_filename": arg["-m"], "n_gpu_layers": int(arg["-ngl"]),
+                         "flash_attn": arg["-fa"] == "1", "n_prompt": n if kind == "p" else 0,
+                         "n_gen": n if kind == "n" else 0, "n_depth": depth,
+                         "avg_ns": sum(ns) // reps, "avg_ts": sum(ts) / reps, "samples_ns": ns,
+                         "samples_ts": ts}})
 print(json.dumps(rows, indent=2))
 """
 )
@@ -214,6 +216,47 @@ def test_decode_bench_alternates_rounds_with_llama_bench_at_the_same_depth(
     assert ratio == pytest.approx(
         ours["decode_tokens_per_s"] / report["llamacpp"]["decode_tokens_per_s"]
     )
+
+
+def test_decode_bench_times_every_depth_on_one_engine_and_reports_what_each_later_one_costs(
+    tiny_model, fake_llama_bench, tmp_path
+):
+    out = tmp_path / "decode.json"
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
+                        "--n-prompt", "8", "--repeats", "2", "--rounds", "2", "--depth", "0,24",
+                        "--llamacpp", fake_llama_bench, "--out", out)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["depth"] == [0, 24]
+    assert [c["-d"] for c in calls_of(fake_llama_bench)] == ["0,24", "0,24"]  # one call a round
+    ours = report["modes"]["cpu"]
+    assert set(ours["at_depth"]) == {"0", "24"}
+    for figures in ours["at_depth"].values():
+        assert len(figures["decode_runs"]) == len(figures["decode_sampled_runs"]) == 4
+        assert figures["decode_tokens_per_s"] == statistics.median(figures["decode_runs"])
+    assert ours["decode_runs"] == ours["at_depth"]["0"]["decode_runs"]  # the first depth's, flat
+    assert len(ours["prompt_runs"]) == 4  # the prompt once a round, whatever the depths
+    at_0, at_24 = (ours["at_depth"][d]["decode_tokens_per_s"] for d in ("0", "24"))
+    assert ours["depth_cost"] == {"24": pytest.approx(1 - at_24 / at_0)}
+
+    peer = report["llamacpp"]["at_depth"]
+    assert peer["24"]["decode_tokens_per_s"] == pytest.approx(
+        peer["0"]["decode_tokens_per_s"] / 1.024, rel=1e-4
+    )  # the fake's tg row at depth 24, from the one call of each round
+    ratios = report["ratios"]["cpu"]
+    assert set(ratios["at_depth"]["0"]) == {"decode_tokens_per_s", "prompt_tokens_per_s"}
+    assert set(ratios["at_depth"]["24"]) == {"decode_tokens_per_s"}  # its pp ran at depth
+    assert ratios["at_depth"]["24"]["decode_tokens_per_s"] == pytest.approx(
+        at_24 / peer["24"]["decode_tokens_per_s"]
+    )
+    assert ratios["decode_tokens_per_s"] == ratios["at_depth"]["0"]["decode_tokens_per_s"]
+    assert "at depth 24" in result.stderr
+
+
+def test_decode_bench_refuses_a_depth_list_it_cannot_time(tiny_model):
+    for depths in ("4096,", "-1", "128,128", "deep"):
+        result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--depth", depths)
+        assert result.returncode == 2 and "comma separated" in result.stderr, depths
 
 
 def test_decode_bench_times_an_engine_per_kernel_tree_in_every_round(tiny_model, tmp_path):
