@@ -88,16 +88,6 @@ RF_DEVICE_INLINE float rf_sum_squares(const rf_f32x4& v) {
     return rf_sum_squares4(v.v[0], v.v[1], v.v[2], v.v[3]);
 }
 
-// 1 / rms of row t from the per-warp partial sums of squares.
-RF_DEVICE_INLINE float rf_gemv_inv_rms(const float* scratch, int t, int k, float eps) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < RF_GEMV_WARPS; ++w) {
-        total += scratch[t * RF_GEMV_WARPS + w];
-    }
-    return rf_inv_rms(total, k, eps);
-}
-
 // Normalize (optional) and quantize x[n_rows][k] (rows contiguous) into shared
 // memory; ends with a barrier. One global read of x when it fits in registers
 // (one row, k <= 4 * RF_GEMV_X_REGS * RF_GEMV_THREADS), its gains loaded with it, else two.
@@ -180,7 +170,7 @@ RF_DEVICE_INLINE void rf_quantize_rows(const float* RF_RESTRICT x, int n_rows, i
                 const int t = active ? i / k4 : 0;
                 const int col = active ? (i - t * k4) * 4 : 0;
                 if (active && gain != nullptr && t != cached_t) {
-                    inv_rms = rf_gemv_inv_rms(scratch, t, k, eps);
+                    inv_rms = rf_warps_inv_rms(scratch + t * RF_GEMV_WARPS, k, eps);
                     cached_t = t;
                 }
                 rf_quantize4(v[p], active, t, col, gain, inv_rms, rows);

@@ -53,6 +53,17 @@ RF_DEVICE_INLINE rf_q8_f32x4 rf_normalize4(rf_q8_f32x4 v, float inv_rms, const r
     return v;
 }
 
+// inv_rms of a row from its RF_Q8_NORM_THREADS / RF_WARP_SIZE warps' sums of squares
+// (`partial`, one float per warp), added in warp order.
+RF_DEVICE_INLINE float rf_warps_inv_rms(const float* partial, int k, float eps) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < RF_Q8_NORM_THREADS / RF_WARP_SIZE; ++w) {
+        total += partial[w];
+    }
+    return rf_inv_rms(total, k, eps);
+}
+
 // inv_rms of a row from each thread's sum of squares `ss` over its pieces (a block of
 // RF_Q8_NORM_THREADS threads): a warp butterfly, then the warps' sums in warp order through
 // `partial`, shared memory of one float per warp. Every thread gets the same value.
@@ -62,12 +73,7 @@ RF_DEVICE_INLINE float rf_block_inv_rms(float ss, int k, float eps, float* parti
         partial[threadIdx.x / RF_WARP_SIZE] = ss;
     }
     __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < RF_Q8_NORM_THREADS / RF_WARP_SIZE; ++w) {
-        total += partial[w];
-    }
-    return rf_inv_rms(total, k, eps);
+    return rf_warps_inv_rms(partial, k, eps);
 }
 
 // inv_rms of row xr (k floats, 16-byte aligned) for a block of RF_Q8_NORM_THREADS threads,
