@@ -868,7 +868,7 @@ RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
     // GROUPS spans, span s0 + g by group g, whose states group 0 folds in order.
     for (int c0 = 0; c0 < n_spans; c0 += SPANS) {
         const int first = c0 * RF_ATTN_SPAN;
-        const int count = n_spans == 1 ? n_tiles : min(n_tiles - first, SPANS * RF_ATTN_SPAN);
+        const int count = min(n_tiles - first, SPANS * RF_ATTN_SPAN);
         __syncthreads();  // the previous copy's records and states are folded
         const float* src = parts + first * RECORD;
         for (int i = (int)threadIdx.x; i < count * (RECORD / 4); i += RF_ATTN_THREADS) {
