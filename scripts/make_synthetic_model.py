@@ -3,6 +3,7 @@
 examples:
   python scripts/make_synthetic_model.py llama-8b models/llama-8b-synthetic-q4_0.gguf
   python scripts/make_synthetic_model.py tiny-k models/tiny-k-q4_k_m.gguf --mix q4_k_m --vocab
+  python scripts/make_synthetic_model.py tiny models/tiny-chat.gguf --vocab --chat-template chatml
 """
 
 import argparse
@@ -10,7 +11,27 @@ import sys
 import time
 from pathlib import Path
 
-from rocforge_rt.model.synthetic import MIXES, SHAPES, write_synthetic_model
+from rocforge_rt.model.synthetic import (
+    CHATML_TEMPLATE,
+    MIXES,
+    SHAPES,
+    VOCAB_SIZE,
+    write_synthetic_model,
+)
+
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
+
+def chat_template(value: str) -> str:
+    """--chat-template: a preset's name, @PATH for a file's text, or the template itself."""
+    if value in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[value]
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser = argparse.ArgumentParser(
         description=__doc__,
-        epilog=f"shapes:\n{shapes}",
+        epilog=f"shapes:\n{shapes}\n\n--vocab raises a shape's vocab to {VOCAB_SIZE} at least.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("shape", metavar="SHAPE", choices=sorted(SHAPES), help="model shape")
@@ -35,12 +56,29 @@ def main(argv: list[str] | None = None) -> int:
         " most downloaded GGUFs; needs widths that are multiples of 256, e.g. tiny-k)",
     )
     parser.add_argument(
-        "--vocab", action="store_true", help="a small byte-level vocabulary (for generate)"
+        "--vocab",
+        action="store_true",
+        help=f"a small byte-level vocabulary (for generate; {VOCAB_SIZE} tokens at least)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=chat_template,
+        metavar="TEMPLATE",
+        help="write this Jinja chat template as tokenizer.chat_template (for --chat; needs"
+        f" --vocab): a preset ({', '.join(CHAT_TEMPLATES)}), @PATH to read a file, or the"
+        " template's text (default: none)",
     )
     args = parser.parse_args(argv)
+    if args.chat_template is not None and not args.vocab:
+        parser.error("--chat-template needs --vocab")
     start = time.perf_counter()
     path = write_synthetic_model(
-        args.shape, args.out, seed=args.seed, mix=args.mix, vocab=args.vocab
+        args.shape,
+        args.out,
+        seed=args.seed,
+        mix=args.mix,
+        vocab=args.vocab,
+        chat_template=args.chat_template,
     )
     size_gb = path.stat().st_size / 1e9
     print(f"{path}: {size_gb:.2f} GB in {time.perf_counter() - start:.1f} s", file=sys.stderr)

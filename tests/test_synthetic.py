@@ -1,6 +1,8 @@
 """Synthetic models: each shape's table states the real model's numbers; written files
-load as the shape they name and hold weights sane for a forward pass."""
+load as the shape they name and hold weights sane for a forward pass; any shape takes a
+byte vocabulary, and a file with one a chat template."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from script_modules import load_script
 
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.generate import Generation
 from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model.gguf_file import (
     LINEAR_SUFFIXES,
@@ -17,12 +21,14 @@ from rocforge_rt.model.gguf_file import (
 )
 from rocforge_rt.model.spm import UNUSED
 from rocforge_rt.model.synthetic import (
+    CHATML_TEMPLATE,
     MIXES,
     SHAPES,
     VOCAB_SIZE,
     SyntheticShape,
     byte_vocabulary,
     random_blocks,
+    synthetic_shape,
     write_synthetic_model,
 )
 from rocforge_rt.model.tokenizer import Tokenizer
@@ -185,3 +191,82 @@ def test_script_writes_a_k_quant_model_with_a_vocabulary(tmp_path: Path) -> None
 def test_unknown_shape_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown synthetic shape 'llama-70b'"):
         write_synthetic_model("llama-70b", tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_shape_takes_a_byte_vocabulary_of_at_least_its_own_size(name: str) -> None:
+    """Planned, not written: llama-8b's file is 4 GB. A shape of fewer tokens than the byte
+    vocabulary grows to it; one of more keeps its size (its files do not change)."""
+    s = synthetic_shape(name, vocab=True)
+    assert s.n_vocab == max(SHAPES[name].n_vocab, VOCAB_SIZE)
+    assert replace(s, n_vocab=SHAPES[name].n_vocab) == SHAPES[name]  # nothing else changes
+    assert len(byte_vocabulary(s.n_vocab)["tokenizer.ggml.tokens"].value) == s.n_vocab
+    assert synthetic_shape(name) == SHAPES[name]  # without a vocabulary, the shape's own
+
+
+@pytest.mark.parametrize("name", [name for name in SHAPES if name.startswith("tiny")])
+def test_a_small_shape_with_a_byte_vocabulary_loads_and_tokenizes(
+    name: str, tmp_path: Path
+) -> None:
+    path = write_synthetic_model(name, tmp_path / "v.gguf", seed=1, progress=False, vocab=True)
+    model = load_model_file(path)
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    n_vocab = max(SHAPES[name].n_vocab, VOCAB_SIZE)
+    assert tokenizer.n_vocab == model.hparams.n_vocab == model.metadata["llama.vocab_size"]
+    assert model.tensor("token_embd.weight").shape[0] == model.lm_head.shape[0] == n_vocab
+    assert tokenizer.decode(tokenizer.encode(" the cat")[1:]) == " the cat"
+
+
+def test_a_chat_template_renders_a_chat_prompt_that_generates_on_the_cpu(tmp_path: Path) -> None:
+    path = write_synthetic_model(
+        "tiny", tmp_path / "c.gguf", progress=False, vocab=True, chat_template=CHATML_TEMPLATE
+    )
+    model = load_model_file(path)
+    assert model.metadata["tokenizer.chat_template"] == CHATML_TEMPLATE
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    prompt = tokenizer.apply_chat_template(messages)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.encode_chat(messages) == tokenizer.encode(prompt)  # BOS, then the text
+    engine = Engine.load(model, backend="cpu", n_ctx=128, threads=1)
+    generation = Generation(engine, tokenizer.encode_chat(messages), max_tokens=4)
+    list(generation)
+    assert generation.stats.generated_tokens == 4
+
+
+def test_a_chat_template_needs_a_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="a chat template needs a vocabulary"):
+        write_synthetic_model("tiny", tmp_path / "x.gguf", chat_template=CHATML_TEMPLATE)
+    with pytest.raises(SystemExit) as exit_info:
+        make_synthetic_model.main(["tiny", str(tmp_path / "x.gguf"), "--chat-template", "chatml"])
+    assert exit_info.value.code == 2
+    assert "--chat-template needs --vocab" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_script_takes_a_chat_template_by_preset_file_or_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    literal = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(literal, encoding="utf-8")
+    for given, expected in [
+        ("chatml", CHATML_TEMPLATE),
+        (literal, literal),
+        (f"@{tmp_path}/t.jinja", literal),
+    ]:
+        out = tmp_path / "m.gguf"
+        assert (
+            make_synthetic_model.main(["tiny", str(out), "--vocab", "--chat-template", given]) == 0
+        )
+        assert load_model_file(out).metadata["tokenizer.chat_template"] == expected, given
+    with pytest.raises(SystemExit) as exit_info:
+        make_synthetic_model.main(
+            ["tiny", str(out), "--vocab", "--chat-template", "@missing.jinja"]
+        )
+    assert exit_info.value.code == 2
+    assert "cannot read missing.jinja" in capsys.readouterr().err

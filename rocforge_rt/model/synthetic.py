@@ -10,7 +10,11 @@ logits stay O(1). The files carry no vocabulary (tokenizer.ggml.model = "none"),
 which llama.cpp accepts for benchmarks, unless `vocab=True` gives them a small byte-level
 BPE vocabulary (`byte_vocabulary`: every byte, a few merges, a BOS token), enough for
 `rocforge generate` and text prompts, or `vocabulary` gives the `tokenizer.*` keys of
-another (the tests' SentencePiece model, scripts/make_spm_test_data.py).
+another (the tests' SentencePiece model, scripts/make_spm_test_data.py). The file's
+vocabulary size is its vocabulary's (`synthetic_shape`): a byte vocabulary raises a shape
+of fewer tokens (`tiny`) to VOCAB_SIZE and pads a larger one with unused tokens. A file with
+a vocabulary may carry a Jinja chat template (`chat_template`, e.g. CHATML_TEMPLATE) in
+`tokenizer.chat_template`, for `--chat` and chat requests.
 
 A quantization mix (`MIXES`) sets each tensor's type: `q4_0`, the runtime's own layout
 (the shape's embedding types), or `q4_k_m`, the K-quant mix most downloaded GGUFs use
@@ -161,6 +165,14 @@ MIXES: dict[str, QuantMix] = {
 VOCAB_MERGES = ("Ġ t", "h e", "Ġt he", "i n", "e r", "Ġ a", "o n")
 VOCAB_BOS = "<s>"
 VOCAB_SIZE = len(BYTE_LEVEL_CHARS) + len(VOCAB_MERGES) + 1  # 264
+# the ChatML format (SmolLM2's and Qwen's, without a default system prompt); to
+# byte_vocabulary its <|im_start|> and <|im_end|> are plain text
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def byte_vocabulary(n_vocab: int) -> dict[str, GGUFValue]:
@@ -311,6 +323,21 @@ def _tensors(s: SyntheticShape, seed: int, mix: QuantMix, rope_factors: bool) ->
     return [TensorOut(ROPE_FREQS, Q.F32, factors.shape, lambda: factors), *weights]
 
 
+def synthetic_shape(
+    shape: str, *, vocab: bool = False, vocabulary: Mapping[str, GGUFValue] | None = None
+) -> SyntheticShape:
+    """SHAPES[shape] as a file of it is written: `vocabulary`'s number of tokens is its
+    vocabulary size; a byte vocabulary (`vocab`) raises it to VOCAB_SIZE at least."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+    spec = SHAPES[shape]
+    if vocabulary is not None:
+        return replace(spec, n_vocab=len(vocabulary["tokenizer.ggml.tokens"].value))
+    if vocab and spec.n_vocab < VOCAB_SIZE:
+        return replace(spec, n_vocab=VOCAB_SIZE)
+    return spec
+
+
 def write_synthetic_model(
     shape: str,
     out: Path,
@@ -320,29 +347,31 @@ def write_synthetic_model(
     mix: str = "q4_0",
     vocab: bool = False,
     vocabulary: Mapping[str, GGUFValue] | None = None,
+    chat_template: str | None = None,
     rope_factors: bool = True,
     linear_rope: float | None = None,
 ) -> Path:
     """Write a random-weight GGUF of a named shape (see SHAPES) in a quantization mix (see
     MIXES) atomically to `out`: with a byte vocabulary if `vocab`, or with `vocabulary`'s
-    `tokenizer.*` keys (the shape's vocabulary size becomes its number of tokens).
+    `tokenizer.*` keys (the vocabulary size is `synthetic_shape`'s), and with
+    `chat_template` as tokenizer.chat_template (it needs one of them; written as given).
 
     A shape with a Llama 3.1 RoPE rule carries rope_freqs.weight unless `rope_factors` is
     False; `linear_rope` adds rope.scaling.type 'linear' with that factor. Neither changes
     the weights: the same seed draws the same ones."""
     if vocab and vocabulary is not None:
         raise ValueError("give a synthetic model `vocab` or a `vocabulary`, not both")
-    if shape not in SHAPES:
-        raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+    if chat_template is not None and not vocab and vocabulary is None:
+        raise ValueError("a chat template needs a vocabulary: give `vocab` or a `vocabulary`")
+    spec = synthetic_shape(shape, vocab=vocab, vocabulary=vocabulary)
     if mix not in MIXES:
         raise ValueError(f"unknown quantization mix {mix!r}; known: {', '.join(MIXES)}")
-    spec = SHAPES[shape]
-    if vocabulary is not None:
-        spec = replace(spec, n_vocab=len(vocabulary["tokenizer.ggml.tokens"].value))
     metadata = _metadata(shape, spec, mix, vocab, linear_rope)
     if vocabulary is not None:
         del metadata["tokenizer.ggml.model"]
         metadata.update(vocabulary)
+    if chat_template is not None:
+        metadata["tokenizer.chat_template"] = GGUFValue(chat_template, GGUFValueType.STRING)
     return write_gguf(
         Path(out),
         metadata,
