@@ -140,6 +140,13 @@ class Forbidden(ClientError):
     code = "forbidden"
 
 
+class RateLimited(ClientError):
+    """This client was refused too often in the last second (malformed requests, unknown
+    sessions...): its messages are dropped unread until the second is over."""
+
+    code = "rate_limited"
+
+
 class Internal(ClientError):
     """The daemon failed on this request (a bug); other requests are unaffected."""
 
@@ -164,6 +171,7 @@ ERRORS: dict[str, type[ClientError]] = {
         ShuttingDown,
         Internal,
         Forbidden,
+        RateLimited,
     )
 }
 
@@ -237,6 +245,9 @@ class Client:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.linger = 0
         self._socket.maxmsgsize = MAX_REPLY_BYTES
+        # a send waits for a connection no longer than a reply would (a handshake refused,
+        # say: ZeroMQ drops the pipe it would queue on, and a send then blocks)
+        self._socket.sndtimeo = max(1, int(timeout * 1000))
         try:
             if curve_keys is not None:
                 secure_client(self._socket, Path(curve_keys))
@@ -271,7 +282,10 @@ class Client:
         """Send a request (fields that are None are left out); returns its id."""
         rid = next(self._ids)
         request = {"op": op, "id": rid, **{k: v for k, v in fields.items() if v is not None}}
-        self._socket.send(msgpack.packb(request, use_bin_type=True))
+        try:
+            self._socket.send(msgpack.packb(request, use_bin_type=True))
+        except zmq.Again:
+            raise Timeout(f"could not send to {self.addr} in time (not connected)") from None
         return rid
 
     def receive(self, rid: int, timeout: float | None = None) -> dict[str, Any]:

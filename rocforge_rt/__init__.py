@@ -2,8 +2,6 @@
 
 import os
 
-from rocforge_rt.dirs import point_numba_cache
-
 # OpenBLAS's idle workers spin for 2^28 cycles (~0.1 s) after each call by default, holding a
 # core numba's kernels then need: on 2 cores, 2^4 cycles made a 128-token SmolLM2 prefill
 # 990 -> 450 ms and decode 37.6 -> 44.9 tok/s, when the CPU backend's attention was BLAS
@@ -12,8 +10,5 @@ from rocforge_rt.dirs import point_numba_cache
 # rocforge_rt is imported before numpy (the CLI, the daemon, the scripts); a value in the
 # environment wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-# numba caches the CPU kernels in the user cache folder (rocforge_rt/dirs.py), not beside the
-# package (site-packages, where installed); NUMBA_CACHE_DIR in the environment wins.
-point_numba_cache()
 
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml reads it)

@@ -2,7 +2,6 @@
 serve, client, trace, keys, demo, http)."""
 
 import argparse
-import importlib.metadata
 import json
 import sys
 import time
@@ -24,9 +23,8 @@ from rocforge_rt.server.cli_commands import (
     add_server_commands,
     export_locations,
     sampling_options,
-    thread_count,
 )
-from rocforge_rt.server.command_line import Parser, run
+from rocforge_rt.server.command_line import Parser, positive_int, run
 from rocforge_rt.server.http.command import add_http_command
 
 MIN_CTX_SIZE = 2  # a prompt token and a generated one
@@ -41,6 +39,8 @@ class CommandError(UsageError):
 
 def version() -> str:
     """The installed distribution's version (the package's own on a bare PYTHONPATH)."""
+    import importlib.metadata  # ~70 ms: not on every command's way (serve's socket waits)
+
     try:
         return importlib.metadata.version("rocforge-rt")
     except importlib.metadata.PackageNotFoundError:
@@ -94,6 +94,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"{model_path} has no vocabulary (tokenizer.ggml.model = 'none'), so generate"
             " cannot read a text prompt or write text; use a model with a vocabulary"
             " (a model without one serves token ids through `rocforge serve`)"
+        )
+    if args.chat and not model.metadata.get("tokenizer.chat_template"):
+        raise CommandError(
+            f"{model_path} has no chat template (tokenizer.chat_template) to render --chat"
+            " with; leave --chat out for a plain prompt, or use a model that has one"
         )
     engine = Engine.load(
         model,
@@ -179,14 +184,23 @@ def _cmd_kernels_check(args: argparse.Namespace) -> int:
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """--version: the version, where it runs from, and the Python; looked up when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_kwargs: object) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        where = Path(rocforge_rt.__file__).parent
+        print(f"{parser.prog} {version()} from {where} (Python {sys.version.split()[0]})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="rocforge", description=DESCRIPTION, epilog=_epilog())
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {version()} from {Path(rocforge_rt.__file__).parent}"
-        f" (Python {sys.version.split()[0]})",
-    )
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt (text to stdout)")
@@ -198,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_cache_dtype_option(gen)
     gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto", help=BACKEND_HELP)
-    gen.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)
+    gen.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
     add_location_options(gen)
     gen.set_defaults(func=_cmd_generate)
 

@@ -57,3 +57,15 @@ class EngineError(RocforgeError):
 
 class LoadCancelled(RocforgeError):
     """Loading stopped because its caller asked it to (a daemon stopping while it loads)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a command ran (`raise_terminated`, the handler the command line
+    installs). A BaseException, as KeyboardInterrupt is: no `except Exception` on the way
+    (a model file's parser, a conversion) may take the request to stop for an error of its
+    own."""
+
+
+def raise_terminated(_signum: int, _frame: object) -> None:
+    """A SIGTERM handler: Terminated, in the main thread, wherever it is."""
+    raise Terminated

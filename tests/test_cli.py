@@ -88,6 +88,15 @@ def test_generate_on_a_model_without_a_vocabulary_says_so(tiny_model):
     assert_refused(done, str(tiny_model), "no vocabulary")
 
 
+def test_generate_chat_on_a_model_without_a_chat_template_says_so(tmp_path):
+    from rocforge_rt.model.synthetic import write_synthetic_model
+
+    plain = write_synthetic_model("tiny", tmp_path / "plain.gguf", vocab=True, progress=False)
+    done = rocforge("generate", "--model", str(plain), "--chat", "--prompt", "x",
+                    "--backend", "cpu")  # fmt: skip
+    assert_refused(done, str(plain), "no chat template", "leave --chat out")
+
+
 def test_a_client_address_without_a_scheme_is_refused_by_name():
     done = rocforge("client", "health", "--addr", "127.0.0.1:5555")
     assert_refused(done, "127.0.0.1:5555", "scheme", "tcp://127.0.0.1:5555")

@@ -646,14 +646,22 @@ def test_profiling_switches_answer_that_the_cpu_backend_has_none(client) -> None
 
 # --- start-up and security ----------------------------------------------------------------------
 def test_a_kv_pool_over_the_memory_limit_fails_fast(tiny_model: Path) -> None:
-    with pytest.raises(ServerError) as info:
-        Daemon(DaemonConfig(model=tiny_model, **{**TINY, "memory_limit": 100_000}))
+    """Before the weights load: the check is the first thing the engine thread does once it
+    has read the model file (the socket already answers `health` meanwhile)."""
+    with (
+        pytest.raises(ServerError) as info,
+        Daemon(DaemonConfig(model=tiny_model, **{**TINY, "memory_limit": 100_000})),
+    ):
+        pass
     message = str(info.value)
     assert "--max-sessions 2 x --ctx-size 64" in message and "(32768 bytes)" in message
     assert "memory limit of" in message and "(100000 bytes)" in message
     assert "f16 KV pool" in message and "or --kv-cache-dtype fp8" in message
-    with pytest.raises(ServerError) as info:
-        Daemon(DaemonConfig(model=tiny_model, **{**TINY, "memory_limit": 1, "kv_dtype": "fp8"}))
+    with (
+        pytest.raises(ServerError) as info,
+        Daemon(DaemonConfig(model=tiny_model, **{**TINY, "memory_limit": 1, "kv_dtype": "fp8"})),
+    ):
+        pass
     message = str(info.value)
     assert "the fp8 KV pool" in message and "(16384 bytes)" in message
     assert "--kv-cache-dtype" not in message  # fp8 already

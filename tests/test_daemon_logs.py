@@ -11,7 +11,9 @@ import pytest
 from test_daemon import PROMPT, Peer, serving, spawn_serve
 
 from rocforge_client import connect
-from rocforge_rt.server import logs
+from rocforge_rt.server import logs, refusals
+from rocforge_rt.server.fields import ErrorCode
+from rocforge_rt.server.refusals import Refusals
 
 
 def request_records(caplog: pytest.LogCaptureFixture) -> list[dict]:
@@ -29,7 +31,8 @@ def generate(endpoint: str, request_id: str, max_tokens: int) -> list[dict]:
 
 
 def test_every_finished_request_logs_one_line_with_its_figures(tiny_model: Path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="rocforge.server")
+    """A refused request's line is at debug level: the summary at info counts it."""
+    caplog.set_level(logging.DEBUG, logger="rocforge.server")
     with serving(tiny_model, max_new_tokens=3) as daemon:
         replies = generate(daemon.endpoint, "gen-1", max_tokens=3)
         refused = generate(daemon.endpoint, "too-long", max_tokens=64)
@@ -42,8 +45,31 @@ def test_every_finished_request_logs_one_line_with_its_figures(tiny_model: Path,
     assert line["finish_reason"] == replies[-1]["finish_reason"] == "length"
     assert 0 < line["ttft_ms"] <= line["e2e_ms"] and line["decode_tokens_per_s"] > 0
     assert lines["too-long"]["error"] == "limit_exceeded"
+    levels = {r.fields["request_id"]: r.levelno for r in caplog.records if hasattr(r, "fields")}
+    assert levels == {"gen-1": logging.INFO, "too-long": logging.DEBUG}
     (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
     assert "backend cpu on cpu" in ready and "layers" in ready and "sessions x" in ready
+
+
+def test_refusals_are_summed_up_at_info_at_most_once_an_interval(caplog) -> None:
+    """Each a debug line where it is refused; at info, one line every SUMMARY_INTERVAL_S: the
+    count by code, the client refused most, the messages dropped unread."""
+    caplog.set_level(logging.INFO, logger="rocforge.server")
+    count = Refusals(max_per_client_s=3)
+    start = 1000.0
+    for i in range(5):
+        count.note(b"\x01", ErrorCode.UNKNOWN_SESSION, now=start + i * 0.01)
+    count.note(b"\x02", ErrorCode.BUSY, now=start + 0.1)
+    assert count.drop(b"\x01", start + 0.2) == 1  # past its 3 a second
+    assert count.drop(b"\x02", start + 0.2) == 0  # `busy` is not the client's doing
+    assert not caplog.records  # not yet: the interval has not passed
+    count.note(b"\x02", ErrorCode.BAD_REQUEST, now=start + refusals.SUMMARY_INTERVAL_S)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "refused 7 requests" in message and "unknown_session 5" in message
+    assert "busy 1" in message and "bad_request 1" in message
+    assert "5 of them client 01's" in message and "1 messages dropped unread" in message
+    assert count.drop(b"\x01", start + 1.5) == 0  # its second is over
 
 
 def test_a_request_id_cannot_forge_a_log_line(tiny_model: Path, caplog) -> None:

@@ -135,7 +135,7 @@ def open_job(rid: int) -> Job:
 def test_no_new_request_takes_a_slot_ahead_of_one_waiting_even_when_a_slot_frees_between() -> None:
     """The board alone: a slot frees while a request waits (the engine thread has not given it
     yet); a request arriving then waits behind it, and the slot goes to the one that came first."""
-    board = JobBoard(SlotAllocator(1, 64), max_queue=4)
+    board = JobBoard(SlotAllocator(1), max_queue=4)
     holder, first, later = open_job(1), open_job(2), open_job(3)
     board.admit(holder)
     assert holder.slot is not None and not holder.waits

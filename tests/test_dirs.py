@@ -86,7 +86,7 @@ def test_numba_caches_in_the_cache_folder_unless_the_user_says_otherwise(
     env[dirs.CACHE_ENV] = str(tmp_path / "cache")
     if user_set:
         env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
-    code = "import os, rocforge_rt; print(os.environ['NUMBA_CACHE_DIR'])"
+    code = "import os, rocforge_rt.backends; print(os.environ['NUMBA_CACHE_DIR'])"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

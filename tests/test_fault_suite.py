@@ -7,7 +7,9 @@ msgpack values, valid-ish requests and those with one field replaced, really run
 throw-away sockets that vanish after them); every numeric boundary value of every op;
 clients racing aborts and closes against their own steps and generates, from several
 threads at once; clients that vanish mid-step; a client that never reads its replies;
-frame floods. Signals are the subprocess tests' (a SIGTERM while the socket is not bound,
+frame floods; one client flooding invalid requests (it is held to its refusals a second while
+another decodes); requests too large to decode (still answered by id) and arrays longer
+than any field takes. Signals are the subprocess tests' (a SIGTERM while the socket is not bound,
 while the model loads, during the warm-up and during streams: test_daemon_hardening.py,
 test_daemon.py). Each test adds its figures to TALLY; the last one prints them.
 
@@ -16,6 +18,7 @@ gives the races room to happen.
 """
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -276,7 +279,71 @@ def test_frame_floods(suite: tuple[Daemon, list[int]]) -> None:
         flood.close()
 
 
+def test_a_client_flooding_invalid_requests(suite: tuple[Daemon, list[int]]) -> None:
+    """20,000 steps on a session that does not exist, sent as fast as the flooder can (its
+    replies read between batches), while another client decodes: the flooder hears
+    `rate_limited` once its refusals pass the budget, the rest of its second is dropped
+    unread, and the other client's tokens are its own."""
+    daemon, reference = suite
+    flood = Peer(daemon.endpoint)
+    flood.socket.sndhwm = 0
+    codes: Counter[str] = Counter()
+
+    def drain(wait_ms: int = 0) -> None:
+        while flood.socket.poll(wait_ms):
+            codes[msgpack.unpackb(flood.socket.recv_multipart()[-1])["error"]["code"]] += 1
+
+    try:
+        with connect(daemon.endpoint, timeout=30) as client:
+            first = client.open(tokens=PROMPT, max_tokens=N_TOKENS)
+            for i in range(20_000):
+                flood.request(op="step", id=i, session=999_999, token="x" * 32)
+                if i % 20 == 19:
+                    drain()
+            rest = client.step(first.session, N_TOKENS - 1)
+            client.close(first.session)
+            assert [t.token for r in (first, rest) for t in r.tokens] == reference
+        drain(500)
+    finally:
+        flood.close()
+    assert codes["unknown_session"] >= daemon.config.max_refusals_per_client
+    assert codes["rate_limited"] >= 1
+    assert sum(codes.values()) < 20_000  # the rest dropped unread
+    TALLY["flooded invalid requests"] += 20_000
+    TALLY["of them dropped unread"] += 20_000 - sum(codes.values())
+
+
+def test_requests_too_large_to_decode_and_arrays_longer_than_any_field(
+    suite: tuple[Daemon, list[int]],
+) -> None:
+    """A request over --max-request-bytes (up to twice it: past that ZeroMQ drops the
+    connection) is refused by its id; an array longer than any field takes is refused from
+    its header, so forty of them (the suite's backlog takes 50 replies) cost the daemon no
+    time another client sees."""
+    daemon, _ = suite
+    peer = Peer(daemon.endpoint)
+    try:
+        peer.request(op="generate", id="big", prompt="x" * (MAX_REQUEST_BYTES + 100))
+        reply = peer.until("big")[-1]
+        assert reply["error"]["code"] == "too_large", reply
+        wide = msgpack.packb({"op": "open", "tokens": [1] * 60_000, "id": "wide"})
+        assert len(wide) < MAX_REQUEST_BYTES
+        with connect(daemon.endpoint, timeout=5) as other:
+            started = time.monotonic()
+            for _ in range(40):
+                peer.send(wide)
+            other.health()
+            assert time.monotonic() - started < 1.0
+        for _ in range(40):
+            reply = peer.until("wide")[-1]
+            assert reply["error"]["code"] == "bad_request"  # by its id, read past the array
+            assert "an array of over" in reply["error"]["message"]
+    finally:
+        peer.close()
+    TALLY["requests too large or too long"] += 41
+
+
 def test_zz_the_tally(suite: tuple[Daemon, list[int]]) -> None:
     """Runs last (pytest keeps file order): what the daemon took, and that it took it all."""
     print("\nfault suite:", ", ".join(f"{name} {count}" for name, count in TALLY.items()))
-    assert TALLY["faults survived"] == 6
+    assert TALLY["faults survived"] == 8

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import spawn_serve
 
@@ -33,9 +32,9 @@ from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.front_process import FrontProcess, connect_address
 from rocforge_rt.server.http.app import FrontConfig, create_app
-from rocforge_rt.server.http.command import server_config
 from rocforge_rt.server.http.errors import ApiError
 from rocforge_rt.server.http.openai_requests import chat_request, completion_request
+from rocforge_rt.server.http.transport import FrontServer, TransportLimits, server_config
 from rocforge_rt.server.protocol import Sampling, parse_request
 
 CHAT = [  # a short system message: the template's own makes a prompt of 37 tokens, this 24
@@ -65,9 +64,12 @@ def daemon(default_model: Path) -> Iterator[Daemon]:
 
 
 @contextmanager
-def running_front(config: FrontConfig) -> Iterator[str]:
-    """A front in a thread on a free loopback port; its base URL."""
-    server = uvicorn.Server(server_config(create_app(config), "127.0.0.1", 0))
+def running_front(app: FrontConfig | Any, limits: TransportLimits | None = None) -> Iterator[str]:
+    """A front (the app of a FrontConfig, or `app`) served in a thread on a free loopback port
+    as `rocforge http` serves it; its base URL."""
+    if isinstance(app, FrontConfig):
+        app = create_app(app)
+    server = FrontServer(server_config(app, "127.0.0.1", 0, limits))
     thread = threading.Thread(target=server.run, name="test-http-front", daemon=True)
     thread.start()
     limit = time.monotonic() + 10
@@ -398,6 +400,106 @@ def test_a_prompt_too_long_and_max_tokens_over_the_limit_are_400s(url: str, mode
     body = {"model": model, "messages": CHAT, "max_tokens": MAX_NEW_TOKENS + 1}
     response = post(url, "/v1/chat/completions", body)
     assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
+
+
+def test_a_body_that_is_not_declared_json_is_a_415(url: str, model: str) -> None:
+    """A browser posts text/plain and forms cross-site without asking first: never served."""
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {} if content_type is None else {"content-type": content_type}
+        response = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
+        assert response.status_code == 415, content_type
+        assert error_of(response)["code"] == "unsupported_media_type"
+    charset = {"content-type": "application/json; charset=utf-8"}
+    assert post(url, "/v1/completions", body, headers=charset).status_code == 200
+
+
+def pending_daemon_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["rocforge:http_daemon_requests_pending"].samples[0].value
+
+
+@pytest.mark.parametrize("where", ["prompt", "content", "stop"])
+def test_a_lone_surrogate_is_a_400_and_the_front_holds_nothing_for_it(
+    url: str, model: str, where: str
+) -> None:
+    """JSON's escapes can spell "\\ud800", which is no Unicode text: refused by name, before
+    anything is asked of the daemon."""
+    message = '{"role": "user", "content": "\\udfff"}'
+    bodies = {
+        "prompt": f'{{"model": "{model}", "prompt": "a\\ud800b"}}',
+        "content": f'{{"model": "{model}", "messages": [{message}]}}',
+        "stop": f'{{"model": "{model}", "prompt": "hi", "stop": ["x\\ud83d"]}}',
+    }
+    path = "/v1/chat/completions" if where == "content" else "/v1/completions"
+    for _ in range(20):
+        response = post(url, path, bodies[where].encode())
+        assert response.status_code == 400
+        assert "lone surrogate" in error_of(response)["message"]
+    assert pending_daemon_requests(url) == 0
+
+
+def test_a_body_over_the_daemons_limit_is_a_413_and_the_streams_beside_it_go_on(
+    url: str, model: str, daemon: Daemon
+) -> None:
+    """1.5 and 3 times --max-request-bytes, while two streams run: the big ones are refused at
+    once (the daemon never sees them: its link cannot be cut by one request), and the
+    streams get all their tokens."""
+    limit = daemon.config.max_request_bytes
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS, "stream": True}
+    ends: list[dict[str, Any]] = []
+
+    def stream() -> None:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            request = {**body, "stream_options": {"include_usage": True}}
+            with http.stream("POST", "/v1/completions", json=request) as response:
+                events = [line[6:] for line in response.iter_lines() if line.startswith("data:")]
+        ends.append(json.loads(events[-2]))  # the usage chunk, before [DONE]
+
+    streams = [threading.Thread(target=stream) for _ in range(2)]
+    for thread in streams:
+        thread.start()
+    with connect(daemon.endpoint) as client:
+        wait_for(lambda: client.health()["sessions"] == 2)
+    for size in (limit * 3 // 2, limit * 3):
+        started = time.monotonic()
+        big = post(url, "/v1/completions", {"model": model, "prompt": "x" * size})
+        assert big.status_code == 413 and time.monotonic() - started < 1.0
+        assert "--max-request-bytes" in error_of(big)["message"]
+    for thread in streams:
+        thread.join(120)
+    assert [end["usage"]["completion_tokens"] for end in ends] == [MAX_NEW_TOKENS] * 2
+
+
+def test_a_body_within_the_limit_whose_generate_is_not_is_a_413_from_the_front(
+    daemon: Daemon,
+) -> None:
+    """The `generate` the front sends has fields a body does not (op, id, max_tokens): with
+    a model named `m`, a body of exactly --max-request-bytes packs to a few bytes more, and
+    the front refuses it rather than have the daemon refuse (or drop) it."""
+    limit = daemon.config.max_request_bytes
+    with running_front(FrontConfig(daemon=daemon.endpoint, model_name="m")) as base:
+        shell = b'{"model":"m","prompt":""}'
+        body = shell[:-2] + b"x" * (limit - len(shell)) + shell[-2:]
+        assert len(body) == limit
+        response = post(base, "/v1/completions", body)
+        assert response.status_code == 413
+        assert "over the daemon's limit" in error_of(response)["message"]
+        assert pending_daemon_requests(base) == 0
+
+
+def test_a_body_slower_than_its_timeout_is_a_408(daemon: Daemon, model: str) -> None:
+    with running_front(FrontConfig(daemon=daemon.endpoint, body_timeout_s=0.5)) as base:
+        front = httpx.URL(base)
+        with socket.create_connection((front.host, front.port)) as conn:
+            conn.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nhost: {front.netloc.decode()}\r\n"
+                'content-type: application/json\r\ncontent-length: 100\r\n\r\n{"model"'.encode()
+            )
+            conn.settimeout(5)
+            answer = conn.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
 
 
 def test_unknown_routes_answer_in_openais_shape(url: str) -> None:

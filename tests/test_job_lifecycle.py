@@ -29,6 +29,7 @@ from rocforge_rt.server.lifecycle import Lifecycle
 from rocforge_rt.server.policy import StepPolicy
 from rocforge_rt.server.prompts import tokenize_turn
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Sampling, parse_request
+from rocforge_rt.server.refusals import Refusals
 from rocforge_rt.server.replies import Outbox
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
@@ -46,8 +47,15 @@ class Rig:
         self.board = JobBoard(engine.slots, max_queue=limits.max_queue)
         self.policy = StepPolicy()
         self.outbox = Outbox()
+        self.refusals = Refusals(max_per_client_s=0)
         self.lifecycle = Lifecycle(
-            engine, limits, self.board, self.policy, LatencyRecorder(), self.outbox
+            engine,
+            limits,
+            self.board,
+            self.policy,
+            LatencyRecorder(),
+            self.outbox,
+            self.refusals,
         )
         self._ids = iter(range(1, 1000))
         self.accepted: list[Job] = []

@@ -15,9 +15,11 @@ from rocforge_rt.server.protocol import (
     ProtocolError,
     Sampling,
     error_reply,
+    max_array_items,
     ok_reply,
     pack,
     parse_request,
+    peek_request_id,
     request_id,
     unpack,
 )
@@ -37,7 +39,7 @@ def test_error_codes_are_the_documented_strings() -> None:
     assert {c.value for c in ErrorCode} == {
         "bad_request", "unknown_op", "unknown_session", "session_busy", "turn_finished", "busy",
         "context_full", "too_large", "limit_exceeded", "aborted", "deadline_exceeded",
-        "not_ready", "shutting_down", "internal", "forbidden",
+        "not_ready", "shutting_down", "internal", "forbidden", "rate_limited",
     }  # fmt: skip
 
 
@@ -229,24 +231,54 @@ def test_request_id_is_echoed_only_when_valid() -> None:
     assert request_id([1]) is None
 
 
+ITEMS = max_array_items(None)  # while the daemon loads: no prompt's tokens yet
+
+
 def test_unpack_limits() -> None:
-    assert unpack(msgpack.packb({"op": "health"}), 1024) == {"op": "health"}
+    assert unpack(msgpack.packb({"op": "health"}), 1024, ITEMS) == {"op": "health"}
     with pytest.raises(ProtocolError) as big:
-        unpack(b"\x00" * 2000, 1024)
+        unpack(b"\x00" * 2000, 1024, ITEMS)
     assert big.value.code == ErrorCode.TOO_LARGE
-    for garbage in (b"\xc1", b"\x92\x01", msgpack.packb(1) + b"\x01", b"\xdd\xff\xff\xff\xff"):
+    for garbage in (b"\xc1", b"\x92\x01", msgpack.packb(1) + b"\x01"):
         with pytest.raises(ProtocolError) as bad:
-            unpack(garbage, 1024)
+            unpack(garbage, 1024, ITEMS)
         assert bad.value.code == ErrorCode.BAD_REQUEST and "malformed msgpack" in bad.value.message
+
+
+def test_an_array_longer_than_any_field_takes_is_refused_from_its_header() -> None:
+    """Token ids up to --max-prompt-tokens, 256 chat messages: a longer array, even one whose
+    header claims 4 billion items and has none, is refused before any item is built."""
+    assert max_array_items(None) == 256 and max_array_items(2047) == 2047
+    tokens = msgpack.packb({"op": "open", "tokens": [1] * 2047})
+    assert len(unpack(tokens, 1 << 20, 2047)["tokens"]) == 2047
+    for payload in (
+        msgpack.packb({"op": "open", "tokens": [1] * 2048}),
+        msgpack.packb({"op": "open", "messages": [{}] * 100_000}),
+        b"\xdd\xff\xff\xff\xff",
+    ):
+        with pytest.raises(ProtocolError) as info:
+            unpack(payload, 1 << 20, 2047)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        assert "an array of over 2047 items" in info.value.message
+
+
+def test_a_request_too_large_to_decode_still_has_its_id_read() -> None:
+    big = msgpack.packb({"op": "generate", "prompt": "x" * (3 << 20), "id": 77})
+    assert peek_request_id(big) == 77
+    ids_last = msgpack.packb({"op": "open", "tokens": list(range(1 << 20)), "id": "abc"})
+    assert peek_request_id(ids_last) == "abc"
+    for no_id in (msgpack.packb([1, 2]), msgpack.packb({"op": "x"}), b"\x82\xa2op", b"\xc1"):
+        assert peek_request_id(no_id) is None
+    assert peek_request_id(msgpack.packb({"id": [1]})) is None  # not a valid id
 
 
 def test_unpack_refuses_deep_nesting_and_huge_maps() -> None:
     deep = b"\x91" * 100_000 + b"\x01"
     with pytest.raises(ProtocolError):
-        unpack(deep, 1 << 20)
+        unpack(deep, 1 << 20, ITEMS)
     wide = msgpack.packb({f"k{i}": i for i in range(100)})
     with pytest.raises(ProtocolError):
-        unpack(wide, 1 << 20)
+        unpack(wide, 1 << 20, ITEMS)
 
 
 def nested(depth: int) -> list:
@@ -257,12 +289,13 @@ def nested(depth: int) -> list:
 
 
 def test_values_nested_deeper_than_a_request_needs_are_bad_requests_however_deep() -> None:
-    assert unpack(msgpack.packb({"op": "open", "messages": [{"role": "u", "content": "x"}]}), 1024)
+    request = {"op": "open", "messages": [{"role": "u", "content": "x"}]}
+    assert unpack(msgpack.packb(request), 1024, ITEMS)
     for depth in (8, 1000, 1023, 10_000):  # past msgpack's own stack (1024) too
         payload = msgpack.packb({"op": "open", "tokens": [1], "stop": "x"})[:-2]
         payload += b"\x91" * depth + msgpack.packb("x")
         with pytest.raises(ProtocolError) as info:
-            unpack(payload, 1 << 20)
+            unpack(payload, 1 << 20, ITEMS)
         assert info.value.code == ErrorCode.BAD_REQUEST
         assert info.value.message == "malformed request: values nested deeper than 8 levels"
 

@@ -4,11 +4,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from rocforge_rt.dirs import point_numba_cache
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
 
 if TYPE_CHECKING:
     from rocforge_rt.backends.gpu.kernel_library import Compiler
+
+# numba caches the CPU kernels in the user cache folder (rocforge_rt/dirs.py), not beside the
+# package (site-packages, where installed); NUMBA_CACHE_DIR in the environment wins. Set here,
+# before any backend module loads numba (it reads the variable once, then).
+point_numba_cache()
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "hip")
 KERNEL_TARGETS = ("sm_90", "gfx90a", "gfx1030")  # what `rocforge kernels check` builds for

@@ -141,7 +141,7 @@ class Engine:
         uploaded = getattr(backend, "weights_uploaded", None)  # the CPU's: unmaps the file
         if uploaded is not None:
             uploaded(model.tensors.values())
-        self.slots = slots if slots is not None else SlotAllocator(n_slots, n_ctx)
+        self.slots = slots if slots is not None else SlotAllocator(n_slots)
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self._session_ids = itertools.count(1)

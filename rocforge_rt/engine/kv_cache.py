@@ -28,11 +28,10 @@ class SlotAllocator:
     not in use is a bug and raises ValueError.
     """
 
-    def __init__(self, n_slots: int, n_ctx: int) -> None:
-        if n_slots < 1 or n_ctx < 1:
-            raise ValueError(f"KV pool needs n_slots >= 1 and n_ctx >= 1, got {n_slots}, {n_ctx}")
+    def __init__(self, n_slots: int) -> None:
+        if n_slots < 1:
+            raise ValueError(f"KV pool needs n_slots >= 1, got {n_slots}")
         self.n_slots = n_slots
-        self.n_ctx = n_ctx
         self._lock = threading.Lock()
         self._free = list(range(n_slots - 1, -1, -1))
 

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue, GGUFValueType
 from tqdm import tqdm
 
-from rocforge_rt.errors import ModelFormatError
+from rocforge_rt.errors import LoadCancelled, ModelFormatError
 from rocforge_rt.model.gguf_metadata import read_metadata
 from rocforge_rt.model.hparams import HParams
 
@@ -82,10 +82,11 @@ class ModelFile:
         return self.tensors.get("output.weight") or self.tensors["token_embd.weight"]
 
 
-def load_model_file(path: str | Path) -> ModelFile:
-    """Map and validate a Q4_0 llama GGUF (see the module docstring)."""
+def load_model_file(path: str | Path, should_stop: Callable[[], bool] | None = None) -> ModelFile:
+    """Map and validate a Q4_0 llama GGUF (see the module docstring); LoadCancelled as soon as
+    `should_stop()` is true while its header is read (seconds for a large vocabulary)."""
     path = Path(path)
-    return model_from_reader(path, open_gguf(path))
+    return model_from_reader(path, open_gguf(path, should_stop))
 
 
 def _error(path: Path, subject: str, expected: str, found: str, fix: str) -> ModelFormatError:
@@ -99,9 +100,16 @@ class _PastEndOfFile(Exception):
 
 
 class _BoundedReader(gguf.GGUFReader):
-    """GGUFReader that reports a read past the end of the file instead of short arrays."""
+    """GGUFReader that reports a read past the end of the file instead of short arrays, and
+    stops (LoadCancelled) between two of its reads once `should_stop()` is true."""
+
+    def __init__(self, path: Path, should_stop: Callable[[], bool] | None) -> None:
+        self._should_stop = should_stop
+        super().__init__(path, "r")
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        if self._should_stop is not None and self._should_stop():
+            raise LoadCancelled("loading stopped: asked to stop")
         end = offset + np.dtype(dtype).itemsize * int(count)
         if end > len(self.data):
             # data_offset is set once the header and tensor table are parsed
@@ -110,8 +118,9 @@ class _BoundedReader(gguf.GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A read-only GGUFReader on `path`; any unreadable file raises ModelFormatError."""
+def open_gguf(path: str | Path, should_stop: Callable[[], bool] | None = None) -> gguf.GGUFReader:
+    """A read-only GGUFReader on `path`; any unreadable file raises ModelFormatError, and
+    `should_stop` stops the reading (LoadCancelled)."""
     path = Path(path)
     if not path.exists():
         raise _error(path, "model file", "a GGUF file", "nothing at this path", "check the path")
@@ -143,7 +152,9 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
             "re-export the model with a current llama.cpp / gguf-py converter (little-endian)",
         )
     try:
-        return _BoundedReader(path, "r")
+        return _BoundedReader(path, should_stop)
+    except LoadCancelled:
+        raise
     except _PastEndOfFile as e:
         raise _error(
             path,

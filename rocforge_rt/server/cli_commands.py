@@ -10,7 +10,6 @@ scripts/bench_ttft.py use it).
 import argparse
 import functools
 import json
-import logging
 import os
 import re
 import signal
@@ -27,10 +26,12 @@ from rocforge_rt.dirs import CACHE_ENV, MODELS_ENV, cache_dir, models_dir, point
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK
 from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.profiling.latency import distribution
+from rocforge_rt.server.command_line import positive_int
 from rocforge_rt.server.config import (
     DEFAULT_BIND,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_QUEUE_TIME_S,
+    DEFAULT_MAX_REFUSALS_PER_CLIENT,
     DaemonConfig,
     ServerError,
 )
@@ -62,23 +63,9 @@ def _default_model(path: str | None) -> Path:
 
 
 # --- serve ------------------------------------------------------------------------------------
-class _Terminated(Exception):
-    """SIGTERM before the daemon serves (converting the default model, checking the plan)."""
-
-
-def _terminate(_signum: int, _frame: Any) -> None:
-    raise _Terminated
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
-    previous = signal.signal(signal.SIGTERM, _terminate)  # Daemon.run installs its own
-    try:
-        _serve(args)
-    except _Terminated:
-        logging.getLogger("rocforge.server").info("SIGTERM received before serving: stopped")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    _serve(args)
     return 0
 
 
@@ -106,24 +93,26 @@ def _serve(args: argparse.Namespace) -> None:
         operator_key=args.operator_key,
         max_queue=args.max_queue,
         max_queue_time_s=args.max_queue_time,
+        max_refusals_per_client=args.max_refusals_per_client,
     )
     api_key = args.http_api_key or os.environ.get(API_KEY_ENV) or None
     if args.http is not None:
         check_http_listen(args.http, api_key, "--http-api-key")  # before the model loads
     daemon = Daemon(config)
     front = None
-    if args.http is not None:
-        front = FrontProcess(
-            front_command(_front_args(args, connect_address(daemon.endpoint))),
-            where=f"http://{args.http}",
-            env={**os.environ, API_KEY_ENV: api_key} if api_key else None,
-        )
-        front.start_when_ready(daemon.wait_ready)
-    try:
+    try:  # a SIGTERM before `run` installs its handler still closes the daemon (Terminated)
+        if args.http is not None:
+            front = FrontProcess(
+                front_command(_front_args(args, connect_address(daemon.endpoint))),
+                where=f"http://{args.http}",
+                env={**os.environ, API_KEY_ENV: api_key} if api_key else None,
+            )
+            front.start_when_ready(daemon.wait_ready)
         daemon.run(before_close=front.stop if front is not None else None)
     finally:
         if front is not None:
             front.stop()  # a no-op once the daemon stopped it
+        daemon.close()  # likewise
 
 
 def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:
@@ -133,6 +122,12 @@ def _front_args(args: argparse.Namespace, daemon: str) -> list[str]:
         front += ["--curve-keys", args.curve_keys]
     if args.http_model_name:
         front += ["--model-name", args.http_model_name]
+    if args.http_allowed_hosts is not None:
+        front += ["--allowed-hosts", args.http_allowed_hosts]
+    if args.http_cors_origins:
+        front += ["--cors-origins", args.http_cors_origins]
+    if args.http_max_connections is not None:
+        front += ["--max-connections", str(args.http_max_connections)]
     return [*front, "--log-level", args.log_level, "--log-format", args.log_format]
 
 
@@ -389,6 +384,25 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(addr: str, process: subprocess.Popen, timeout: float) -> None:
+    """Ask the daemon `process` serves at `addr` for `health` until it is ready; ServerError
+    when the process exits first or `timeout` passes."""
+    from rocforge_client import Timeout, connect
+
+    limit = time.monotonic() + timeout
+    with connect(addr) as client:
+        while time.monotonic() < limit:
+            if process.poll() is not None:
+                raise ServerError(f"the daemon exited with code {process.returncode}")
+            try:
+                if client.health(timeout=0.5)["ready"]:
+                    return
+            except Timeout:
+                continue
+            time.sleep(0.1)
+    raise ServerError(f"the daemon was not ready within {timeout:.0f} s")
+
+
 class LocalDaemon:
     """`rocforge serve` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
@@ -419,24 +433,14 @@ class LocalDaemon:
             self.stop()
 
     def start(self) -> None:
-        from rocforge_client import Timeout, connect
-
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this checkout
         path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
         self.process = subprocess.Popen(self.command, env={**os.environ, "PYTHONPATH": path})
-        limit = time.monotonic() + self.ready_timeout
-        with connect(self.addr) as client:
-            while time.monotonic() < limit:
-                if self.process.poll() is not None:
-                    raise ServerError(f"the daemon exited with code {self.process.returncode}")
-                try:
-                    if client.health(timeout=0.5)["ready"]:
-                        return
-                except Timeout:
-                    continue
-                time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"the daemon was not ready within {self.ready_timeout:.0f} s")
+        try:
+            wait_until_ready(self.addr, self.process, self.ready_timeout)
+        except ServerError:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait, and return the exit code (SIGKILL after `timeout`)."""
@@ -668,17 +672,6 @@ def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def thread_count(text: str) -> int:
-    """--threads: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 SERVE_DESCRIPTION = f"""\
 Run the ZeroMQ daemon (and, with --http, the OpenAI-compatible HTTP API beside it).
 
@@ -709,7 +702,7 @@ def add_server_commands(sub: Any) -> None:
         "--max-sessions", type=int, default=4, metavar="N", help="sessions (KV slots)"
     )
     add_kv_cache_dtype_option(serve)
-    serve.add_argument("--threads", type=thread_count, metavar="N", help=THREADS_HELP)
+    serve.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
     serve.add_argument(
         "--gpu-memory-limit",
         type=parse_size,
@@ -782,6 +775,14 @@ def add_server_commands(sub: Any) -> None:
         " (default: --max-sessions)",
     )
     serve.add_argument(
+        "--max-refusals-per-client",
+        type=int,
+        default=DEFAULT_MAX_REFUSALS_PER_CLIENT,
+        metavar="N",
+        help="malformed or unknown-session requests a client may send a second before its"
+        " messages are dropped for the rest of that second (0: no limit)",
+    )
+    serve.add_argument(
         "--operator-key",
         metavar="KEY",
         help="needed by stats --reset, trace and profile when bound beyond loopback"
@@ -802,6 +803,25 @@ def add_server_commands(sub: Any) -> None:
         "--http-model-name",
         metavar="NAME",
         help="the model's id in the HTTP API (default: the GGUF file name's stem)",
+    )
+    serve.add_argument(
+        "--http-allowed-hosts",
+        metavar="HOSTS",
+        help="the Host names the HTTP API serves, comma-separated (`*`: any); others get 421"
+        " (default: on loopback its names, on 0.0.0.0 or [::] any, else the --http host)",
+    )
+    serve.add_argument(
+        "--http-cors-origins",
+        metavar="ORIGINS",
+        help="the origins browsers may call the HTTP API from, comma-separated (`*`: any)"
+        " (default: none, no CORS headers)",
+    )
+    serve.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        metavar="N",
+        help="the HTTP API's open connections at most; past it the oldest one still sending"
+        " its request head is closed (default: 1000, fewer under a low descriptor limit)",
     )
     add_log_options(serve)
     add_location_options(serve)

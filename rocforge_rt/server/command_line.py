@@ -1,18 +1,22 @@
 """What every `rocforge` command shares: its parsers' help, options read from ROCFORGE_*
 environment variables, and the exit status.
 
-Exit status: 0 success; 1 an error while running (a model file, a device, a download, a
-daemon that does not answer), one line on stderr; 2 a usage error (argparse's own, or a
-`UsageError`: an option's value the command cannot work with); 130 interrupted (Ctrl-C).
+Exit status: 0 success, or stopped by SIGTERM (a service asked to stop, stops cleanly); 1
+an error while running (a model file, a device, a download, a daemon that does not answer),
+one line on stderr; 2 a usage error (argparse's own, or a `UsageError`: an option's value the
+command cannot work with); 130 interrupted (Ctrl-C).
 """
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable, Collection, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-from rocforge_rt.errors import RocforgeError, UsageError
+from rocforge_rt.errors import RocforgeError, Terminated, UsageError, raise_terminated
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -95,11 +99,44 @@ class Parser(argparse.ArgumentParser):
         return value
 
 
+def positive_int(text: str) -> int:
+    """An option's integer >= 1 (--threads, --max-connections)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """SIGTERM raises Terminated in the main thread while the block runs (a server installs its
+    own handler inside it, for a graceful stop). A handler someone else set (the program that
+    embeds a command) stays; so does one set outside the main thread, where none can be, and
+    the same one the console script set before its imports (__main__.py)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run(command: Callable[[], int], prog: str) -> int:
     """Run a command (parsing included) and return its exit status (the module docstring's):
-    a RocforgeError or an OSError becomes one line on stderr, never a traceback."""
+    a RocforgeError or an OSError becomes one line on stderr, never a traceback; SIGTERM
+    stops it with status 0."""
     try:
-        return command()
+        with sigterm_raises_terminated():
+            return command()
+    except Terminated:
+        print(f"{prog}: SIGTERM received: stopped", file=sys.stderr)
+        return EXIT_OK
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,9 +1,12 @@
-"""The daemon's configuration, checked against the model before anything binds.
+"""The daemon's configuration: its options checked before anything binds, then against the
+model while the daemon loads.
 
-`plan` validates a DaemonConfig (ranges, the model's trained context, the
-memory budget of the weights and the KV pool) and returns a Plan: the engine
-factory the engine thread calls, the per-daemon limits, and the KV slot
-allocator, the one count of session slots, shared by the engine and the job board.
+`check_options` checks a DaemonConfig's ranges (no model needed: the daemon does it before
+it binds). `plan`, on the engine thread while the socket already answers `health`, reads
+the model and checks the configuration against it (the model's trained context, the memory
+budget of the weights and the KV pool), and returns a Plan: the engine factory and the
+per-daemon limits. The KV slot allocator, the one count of session slots, shared by the
+engine and the job board, needs only --max-sessions: the daemon makes it before it binds.
 """
 
 import logging
@@ -30,6 +33,7 @@ log = logging.getLogger("rocforge.server")
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
 DEFAULT_MAX_QUEUE = 128  # requests waiting for a session slot
 DEFAULT_MAX_QUEUE_TIME_S = 60.0
+DEFAULT_MAX_REFUSALS_PER_CLIENT = 1000  # a second (refusals.py)
 
 
 class ServerError(RocforgeError):
@@ -63,6 +67,8 @@ class DaemonConfig:
     operator_key: str | None = None  # stats reset, trace, profile off loopback; None: refused
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for a slot; 0: busy at once
     max_queue_time_s: float = DEFAULT_MAX_QUEUE_TIME_S  # longest wait for a slot; 0: no limit
+    # a client's protocol refusals a second before its messages are dropped; 0: no limit
+    max_refusals_per_client: int = DEFAULT_MAX_REFUSALS_PER_CLIENT
 
 
 def _mib(n: int) -> str:
@@ -94,15 +100,14 @@ def check_memory(
 
 @dataclass(frozen=True)
 class Plan:
-    """What `plan` found: how to build the engine, the limits, and the slot allocator."""
+    """What `plan` found: how to build the engine, and the limits."""
 
     build: Callable[[Callable[[], bool]], Engine]  # should_stop -> the engine (LoadCancelled)
     limits: Limits
-    slots: SlotAllocator
 
 
-def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = None) -> Plan:
-    """Validate the configuration against the model; return the Plan."""
+def check_options(config: DaemonConfig) -> None:
+    """OptionError naming the first option out of range."""
     checks = (
         (config.ctx_size >= 2, f"--ctx-size must be >= 2, got {config.ctx_size}"),
         (config.max_sessions >= 1, f"--max-sessions must be >= 1, got {config.max_sessions}"),
@@ -124,6 +129,11 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             f" {config.max_queue}",
         ),
         (
+            config.max_refusals_per_client >= 0,
+            "--max-refusals-per-client must be >= 0 (0: no limit), got"
+            f" {config.max_refusals_per_client}",
+        ),
+        (
             math.isfinite(config.max_queue_time_s) and config.max_queue_time_s >= 0,
             "--max-queue-time must be a finite number of seconds >= 0 (0: no limit), got"
             f" {config.max_queue_time_s}",
@@ -132,7 +142,20 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
     for ok, message in checks:
         if not ok:
             raise OptionError(message)
-    model = load_model_file(config.model)
+
+
+def plan(
+    config: DaemonConfig,
+    engine_hook: Callable[[Engine], None] | None = None,
+    *,
+    slots: SlotAllocator | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Plan:
+    """Validate the configuration against the model; return the Plan. `slots`: the
+    allocator the engine shares (a new one of --max-sessions slots by default); `should_stop`
+    stops the model's reading (LoadCancelled)."""
+    check_options(config)
+    model = load_model_file(config.model, should_stop)
     hp = model.hparams
     n_ctx = min(config.ctx_size, hp.n_ctx_train)
     if n_ctx < config.ctx_size:
@@ -171,8 +194,7 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
         max_queue=config.max_queue,
         max_queue_time_s=config.max_queue_time_s,
     )
-
-    slots = SlotAllocator(config.max_sessions, n_ctx)
+    shared_slots = slots if slots is not None else SlotAllocator(config.max_sessions)
 
     def build(should_stop: Callable[[], bool]) -> Engine:
         engine = Engine.load(
@@ -185,11 +207,11 @@ def plan(config: DaemonConfig, engine_hook: Callable[[Engine], None] | None = No
             lookahead=config.pipelined_decode,
             threads=config.threads,
             kv_dtype=config.kv_dtype,
-            slots=slots,
+            slots=shared_slots,
             should_stop=should_stop,
         )
         if engine_hook is not None:
             engine_hook(engine)
         return engine
 
-    return Plan(build, limits, slots)
+    return Plan(build, limits)

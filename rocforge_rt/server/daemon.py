@@ -12,9 +12,10 @@ when none is free to a bounded first-come queue (--max-queue, --max-queue-time) 
 answers `busy` past it. Sessions answer to their token, never to a
 routing id; off loopback the operator ops need the operator key (access.py).
 
-Start-up: the bind address and memory budget (config.py) are checked before
-anything binds; the socket then goes live (`health` says live, not ready)
-while the engine thread loads the model and runs a warm-up step; then ready.
+Start-up: the options and the bind address are checked before anything binds; the socket
+then goes live at once (`health` says live, state `loading`) while the engine thread reads
+the model, checks the configuration against it (the memory budget: config.py), loads it
+and runs a warm-up; then ready.
 Shutdown (SIGTERM/SIGINT or `stop()`): new work is refused, every request in
 flight is cut and gets its final reply, sockets close, `run` returns; during
 the load or warm-up, those stop at their next layer or step.
@@ -36,13 +37,14 @@ from typing import Any
 import zmq
 
 from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.kv_cache import SlotAllocator
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.server import protocol, queries
 from rocforge_rt.server.access import operator_allowed
 from rocforge_rt.server.backlog import PIPE_MESSAGES, Backlog
-from rocforge_rt.server.config import DaemonConfig, ServerError, plan
+from rocforge_rt.server.config import DaemonConfig, ServerError, check_options, plan
 from rocforge_rt.server.engine_loop import END_OF_REPLIES, EngineLoop
-from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, PeerGone
+from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, Limits, PeerGone
 from rocforge_rt.server.metrics import DaemonMetrics
 from rocforge_rt.server.peers import (
     PeerWatch,
@@ -51,6 +53,7 @@ from rocforge_rt.server.peers import (
     watch_silent_peers,
 )
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request, error_reply, ok_reply
+from rocforge_rt.server.refusals import WINDOW_S, Refusals
 from rocforge_rt.server.replies import unpack_batch
 from rocforge_rt.server.security import check_bind, is_loopback_endpoint, secure_server
 from rocforge_rt.server.translate import check_prompt_bytes
@@ -89,14 +92,15 @@ class Daemon:
     def __init__(
         self, config: DaemonConfig, *, engine_hook: Callable[[Engine], None] | None = None
     ) -> None:
+        check_options(config)
         check_bind(config.bind, config.curve_keys)
-        found = plan(config, engine_hook)
-        self.limits = found.limits
         self.config = config
+        slots = SlotAllocator(config.max_sessions)
         self.board = JobBoard(  # the engine's slots, and the queue of requests waiting for one
-            found.slots, config.max_sessions_per_client, config.max_queue
+            slots, config.max_sessions_per_client, config.max_queue
         )
         self._loopback = is_loopback_endpoint(config.bind)
+        self.refusals = Refusals(config.max_refusals_per_client)
         self.metrics = DaemonMetrics(
             usage=lambda: self.engine_loop.usage,
             runtime=lambda: self.engine_loop.runtime_stats,
@@ -108,37 +112,39 @@ class Daemon:
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
-        self._context = zmq.Context()
         self._auth = None
-        self._router = self._context.socket(zmq.ROUTER)
-        self._replies = self._context.socket(zmq.PULL)
         self._watch: PeerWatch | None = None
         self._mid_message = False  # dropping the frames a message has beyond a request's
         self._sink = bytearray(64)  # what they are read into (truncated), never kept
         self._backlog = Backlog()  # replies that did not fit a client's queue yet
         self._slow_peers: set[bytes] = set()  # clients dropped for not reading (logged once)
-        try:
+        self._closed = False
+        self._context = zmq.Context()
+        try:  # a bind refused, or a signal's exception (SIGTERM): nothing left open
+            self._router = self._context.socket(zmq.ROUTER)
+            self._replies = self._context.socket(zmq.PULL)
             self._configure_router()
             self._watch = PeerWatch(self._router)
-            self._router.bind(config.bind)
-        except BaseException as exc:  # a bind refused, or a signal's exception: nothing left open
-            self._close_sockets()
-            if isinstance(exc, zmq.ZMQError):
+            try:
+                self._router.bind(config.bind)
+            except zmq.ZMQError as exc:
                 raise ServerError(f"cannot bind {config.bind}: {exc}") from None
+            self.endpoint: str = self._router.last_endpoint.decode()
+            reply_endpoint = f"inproc://rocforge-replies-{id(self)}"
+            self._replies.rcvhwm = 0
+            self._replies.bind(reply_endpoint)
+            self.engine_loop = EngineLoop(
+                lambda should_stop: plan(config, engine_hook, slots=slots, should_stop=should_stop),
+                self.board,
+                self.refusals,
+                self.latency,
+                self._context,
+                reply_endpoint,
+                on_decode_step=self.metrics.observe_step,
+            )
+        except BaseException:
+            self.close()
             raise
-        self.endpoint: str = self._router.last_endpoint.decode()
-        reply_endpoint = f"inproc://rocforge-replies-{id(self)}"
-        self._replies.rcvhwm = 0
-        self._replies.bind(reply_endpoint)
-        self.engine_loop = EngineLoop(
-            found.build,
-            self.limits,
-            self.board,
-            self.latency,
-            self._context,
-            reply_endpoint,
-            on_decode_step=self.metrics.observe_step,
-        )
         log.info("listening on %s", self.endpoint)
 
     def _configure_router(self) -> None:
@@ -181,6 +187,15 @@ class Daemon:
             self._thread.join(timeout)
 
     @property
+    def limits(self) -> Limits:
+        """The per-daemon limits (the engine thread's plan: set once the state is not
+        loading)."""
+        limits = self.engine_loop.limits
+        if limits is None:
+            raise RuntimeError("the daemon's limits are not known before its model is read")
+        return limits
+
+    @property
     def state(self) -> State:
         if self._draining:
             return State.DRAINING
@@ -207,7 +222,7 @@ class Daemon:
             engine_thread.join()
             if before_close is not None:
                 before_close()
-            self._close_sockets()
+            self.close()
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
         if self.engine_loop.failure is not None:
@@ -224,14 +239,18 @@ class Daemon:
 
         return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def _close_sockets(self) -> None:
+    def close(self) -> None:
+        """Close the daemon's sockets: `run` does once it has served; whoever made a daemon
+        that never ran closes it (a ZeroMQ context with a socket open never ends). Once is
+        enough."""
+        if self._closed:
+            return
+        self._closed = True
         if self._watch is not None:
             self._watch.close()
-        self._router.close(linger=LINGER_MS)
-        self._replies.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        self._context.term()
+        self._context.destroy(linger=LINGER_MS)  # the router's last replies go out first
 
     # --- the I/O loop ---------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -313,6 +332,7 @@ class Daemon:
         those no one can come back for."""
         for peer in peers:
             self._backlog.drop(peer)
+            self.refusals.forget(peer)
             if self.board.cancel_peer(peer, CancelCause.DISCONNECT):
                 log.info("client %s disconnected: its requests and sessions end", peer.hex())
                 self.engine_loop.submit(PeerGone(peer, not generated_routing_id(peer)))
@@ -366,33 +386,57 @@ class Daemon:
     def _on_message(
         self, frames: list[bytes], extra: int, received: float, user: str | None = None
     ) -> None:
-        if len(frames) == 2:
-            envelope = (frames[0],)
-        elif len(frames) == 3 and not extra and frames[1] == b"":
-            envelope = (frames[0], b"")
-        else:
-            self._reply(
-                (frames[0],),
-                error_reply(
-                    None,
-                    ErrorCode.BAD_REQUEST,
-                    "a request is one msgpack frame (DEALER) or an empty frame and one msgpack"
-                    f" frame (REQ); got {'more than ' if extra else ''}{len(frames) - 1} frames",
-                ),
-            )
+        from_req = len(frames) == 3 and not extra and frames[1] == b""  # REQ's empty frame
+        well_framed = len(frames) == 2 or from_req
+        envelope = (frames[0], b"") if from_req else (frames[0],)
+        dropped = self.refusals.drop(frames[0], time.monotonic())
+        if dropped:
+            if dropped == 1:  # the client hears it once a second
+                self._reply(
+                    envelope,
+                    error_reply(
+                        None,
+                        ErrorCode.RATE_LIMITED,
+                        f"over {self.refusals.max_per_client_s} refused requests in"
+                        f" {WINDOW_S:g} s (--max-refusals-per-client): this client's messages"
+                        " are dropped unread for the rest of it",
+                    ),
+                )
             return
         rid = None
         try:
-            obj = protocol.unpack(frames[-1], self.config.max_request_bytes)
+            if not well_framed:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    "a request is one msgpack frame (DEALER) or an empty frame and one msgpack"
+                    f" frame (REQ); got {'more than ' if extra else ''}{len(frames) - 1} frames",
+                )
+            obj = protocol.unpack(
+                frames[-1], self.config.max_request_bytes, self._max_array_items()
+            )
             rid = protocol.request_id(obj)
             request = protocol.parse_request(obj)
             self._dispatch(Job(request, envelope, received, user=user))
         except ProtocolError as exc:
-            self._reply(envelope, error_reply(rid, exc.code, exc.message))
+            if rid is None and well_framed:  # too large or malformed: its id, if it has one
+                rid = protocol.peek_request_id(frames[-1])
+            self._refuse(envelope, rid, exc)
         except Exception as exc:  # a bug: fail this request, keep serving everyone else
             log.exception("request failed in the I/O thread")
             message = f"the daemon failed on this request: {type(exc).__name__}: {exc}"
             self._reply(envelope, error_reply(rid, ErrorCode.INTERNAL, message))
+
+    def _max_array_items(self) -> int:
+        limits = self.engine_loop.limits  # None while the model is read: only health then
+        return protocol.max_array_items(limits.max_prompt_tokens if limits else None)
+
+    def _refuse(
+        self, envelope: tuple[bytes, ...], rid: int | str | None, exc: ProtocolError
+    ) -> None:
+        """Answer a refused request; a line at debug level, and the client's count."""
+        log.debug("refused request %r of client %s: %s", rid, envelope[0].hex(), exc)
+        self.refusals.note(envelope[0], exc.code)
+        self._reply(envelope, error_reply(rid, exc.code, exc.message))
 
     def _dispatch(self, job: Job) -> None:
         request = job.request
@@ -427,6 +471,8 @@ class Daemon:
             return
         if request.turn is not None:  # a huge prompt never reaches the engine thread
             check_prompt_bytes(self.limits, self.engine_loop.max_token_bytes, request.turn.prompt)
+        if request.session is not None:  # nor a request on a session its token does not open
+            self.board.check_session(request.session, request.token, job.user)
         self.board.admit(job)
         self.engine_loop.submit(job)
 
@@ -477,13 +523,8 @@ class Daemon:
 
     def _abort(self, job: Job, request: Request) -> dict[str, Any]:
         """By request id: this client's own request; by session: with the session's token."""
-        if request.session is not None and not self.board.admits(
-            request.session, request.token, job.user
-        ):
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION,
-                f"session {request.session} is not open for this client (or its token is wrong)",
-            )
+        if request.session is not None:
+            self.board.check_session(request.session, request.token, job.user)
         aborted = self.board.cancel(
             job.peer, CancelCause.CLIENT, request=request.request, session=request.session
         )

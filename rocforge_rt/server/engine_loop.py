@@ -18,9 +18,13 @@ and prompt chunks of the jobs still prefilling, oldest first, within a token bud
 thread waits for new jobs, never past the moment a waiting job runs out of time (nor a
 second); the I/O thread `wake`s it when an `abort` flags a job.
 
-`stop` is heard while the engine loads and warms up too: the weights' upload
-stops between layers and the warm-up between steps, and the thread ends
-without an error (nothing was being served).
+Start-up, on this thread while the I/O thread already answers `health` (loading): the
+model file is read and the configuration checked against it (config.plan), the engine
+built, and a warm-up run; then `ready`. `stop` is heard all along: the model's reading
+stops between two of its fields, the weights' upload between layers and the warm-up
+between steps, and the thread ends without an error (nothing was being served). A
+configuration the model cannot serve (over the memory budget, say) ends it with its
+`failure`, one line, no traceback.
 """
 
 import logging
@@ -36,10 +40,11 @@ import zmq
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.kv_cache import kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.engine.stopping import FinishReason
-from rocforge_rt.errors import LoadCancelled
+from rocforge_rt.errors import LoadCancelled, RocforgeError
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.profiling.latency import LatencyRecorder
 from rocforge_rt.profiling.op_timer import OpTimer
+from rocforge_rt.server.config import Plan
 from rocforge_rt.server.jobs import (
     CancelCause,
     Cancelled,
@@ -54,6 +59,7 @@ from rocforge_rt.server.logs import ThroughputLog
 from rocforge_rt.server.policy import StepPolicy
 from rocforge_rt.server.prompts import PromptThread
 from rocforge_rt.server.protocol import ErrorCode
+from rocforge_rt.server.refusals import Refusals
 from rocforge_rt.server.replies import Outbox, usage_map
 from rocforge_rt.server.translate import max_token_bytes
 
@@ -62,6 +68,7 @@ log = logging.getLogger("rocforge.server")
 END_OF_REPLIES = b""  # the last message the engine thread sends: it has stopped
 WAKE = object()  # an inbox item that only wakes the engine thread (a job was flagged)
 RUNTIME_STATS_INTERVAL_S = 0.1  # how often the backend's runtime counters are read
+MAX_TAKEN_PER_ITERATION = 256  # inbox items started before the next step runs
 
 
 class EngineLoop:
@@ -69,18 +76,18 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine_factory: Callable[[Callable[[], bool]], Engine],  # should_stop -> engine
-        limits: Limits,
+        planner: Callable[[Callable[[], bool]], Plan],  # should_stop -> the plan (config.plan)
         board: JobBoard,
+        refusals: Refusals,
         latency: LatencyRecorder,
         context: zmq.Context,
         reply_endpoint: str,
         on_decode_step: Callable[[int], None] = lambda _sessions: None,
     ) -> None:
-        self._engine_factory = engine_factory
+        self._planner = planner
         self._on_decode_step = on_decode_step  # told each step's decoded sessions (metrics)
-        self.limits = limits
         self._board = board
+        self._refusals = refusals
         self._latency = latency
         self._context = context
         self._reply_endpoint = reply_endpoint
@@ -100,6 +107,7 @@ class EngineLoop:
         # published for the I/O thread (each replaced whole, never mutated)
         self.ready = threading.Event()
         self.failure: str | None = None
+        self.limits: Limits | None = None  # once the plan is made
         self.info: dict[str, Any] = {}
         self.max_token_bytes: int | None = None  # the vocabulary's longest token, in bytes
         self.usage: dict[str, Any] = {}
@@ -140,6 +148,10 @@ class EngineLoop:
             except LoadCancelled:
                 log.info("stopped while loading")
                 return
+            except RocforgeError as exc:  # a model file or a configuration it cannot serve
+                log.error("cannot start: %s", exc)
+                self.failure = str(exc)
+                return
             except Exception as exc:  # a model or device that cannot start: report, stop
                 log.exception("engine start-up failed")
                 self.failure = f"engine start-up failed: {exc}"
@@ -158,7 +170,9 @@ class EngineLoop:
             self._out.close(linger=1000)
 
     def _start_engine(self) -> None:
-        engine = self._engine_factory(self._stop_requested.is_set)
+        plan = self._planner(self._stop_requested.is_set)
+        self.limits = plan.limits
+        engine = plan.build(self._stop_requested.is_set)
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
@@ -169,7 +183,13 @@ class EngineLoop:
         self.info = {**self._describe(), "warmup_ms": (time.perf_counter() - started) * 1000.0}
         self.max_token_bytes = max_token_bytes(engine.tokenizer)
         self._lifecycle = Lifecycle(
-            engine, self.limits, self._board, self._policy, self._latency, self._outbox
+            engine,
+            self.limits,
+            self._board,
+            self._policy,
+            self._latency,
+            self._outbox,
+            self._refusals,
         )
         self._publish_usage()
         self._throughput = ThroughputLog(time.perf_counter())
@@ -281,22 +301,23 @@ class EngineLoop:
                 self.op_timer.loop(kind, clock() - started, engine_ns)
 
     def _take_jobs(self, *, block: bool) -> None:
-        try:
-            job = self._inbox.get(timeout=self._idle_wait()) if block else self._inbox.get_nowait()
-            while True:
-                if job is None:
-                    self._stopping = True
-                elif job is WAKE:
-                    pass
-                elif isinstance(job, PeerGone):
-                    self._lifecycle.peer_gone(job)
-                    self._flush()
+        """Start what came in (at most MAX_TAKEN_PER_ITERATION items: a client flooding the
+        inbox cannot hold the steps back), then send the replies that made."""
+        for taken in range(MAX_TAKEN_PER_ITERATION):
+            try:
+                if block and taken == 0:
+                    item = self._inbox.get(timeout=self._idle_wait())
                 else:
-                    self._lifecycle.start(job)
-                    self._flush()
-                job = self._inbox.get_nowait()
-        except queue.Empty:
-            return
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._stopping = True
+            elif isinstance(item, PeerGone):
+                self._lifecycle.peer_gone(item)
+            elif item is not WAKE:
+                self._lifecycle.start(item)
+        self._flush()
 
     def _idle_wait(self) -> float:
         """How long to wait for new jobs with nothing to step: the idle reaper's interval (a

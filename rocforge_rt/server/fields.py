@@ -37,6 +37,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping and takes no new work
     INTERNAL = "internal"  # a bug: the request failed, the daemon and other sessions did not
     FORBIDDEN = "forbidden"  # an operator op off loopback without the operator key
+    RATE_LIMITED = "rate_limited"  # past its refusals a second: its messages dropped a while
 
 
 class ProtocolError(Exception):

@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger("rocforge.server")
 
 FRONT_MODULE = "rocforge_rt.server.http"
-STOP_TIMEOUT_S = 10.0  # the front's own grace for open streams is 5 s (http/command.py)
+STOP_TIMEOUT_S = 10.0  # past the front's own grace for open streams (transport.SHUTDOWN_GRACE_S)
 READY_POLL_S = 0.1
 _ANY_HOST = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
 

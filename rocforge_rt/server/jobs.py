@@ -16,11 +16,16 @@ waits: the board counts the jobs waiting (at most --max-queue; past that the job
 `busy` at once), and the engine thread keeps them in arrival order (policy.py) and
 gives each freed slot to the oldest (`grant`). A session belongs to the holder of its
 token (access.py); the board also counts the sessions each client opened, for
---max-sessions-per-client.
+--max-sessions-per-client, and the requests each client has in flight: at most two a
+session slot (a request on it and its `close`) plus --max-queue; past that its requests
+could only be refused, and no client fills the engine thread's inbox. A request naming a
+session its token does not open is refused by the I/O thread (`check_session`) before it
+reaches the engine thread.
 """
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -29,7 +34,7 @@ from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import RequestTimer
-from rocforge_rt.server.access import Owner, new_token
+from rocforge_rt.server.access import Owner, new_token, same_secret
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
 
 
@@ -163,6 +168,9 @@ def _requests(n: int) -> str:
     return "1 request is" if n == 1 else f"{n} requests are"
 
 
+MAX_EXPIRED_REMEMBERED = 4096  # sessions the idle reaper closed, for a clearer refusal
+
+
 class JobBoard:
     """Session owners, in-flight requests and the queue's count, shared by the I/O and
     engine threads.
@@ -184,11 +192,16 @@ class JobBoard:
         self._slots = slots
         self._quota = max_sessions_per_client  # None: only the slots limit
         self.max_queue = max_queue  # 0: no queue, a full daemon answers busy at once
+        # past this many requests in flight, a client's requests could only be refused
+        self.max_in_flight_per_client = 2 * slots.n_slots + max_queue
         self._waiting = 0  # jobs with `waits` set
         self._peak_waiting = 0  # the most there were since start or `reset_peak`
         self._owners: dict[int, Owner] = {}  # open session -> who opened it (its token)
         self._by_id: dict[tuple[bytes, int | str], Job] = {}
         self._jobs: set[Job] = set()
+        self._in_flight: Counter[bytes] = Counter()  # jobs on the board, by client
+        # session id -> token of sessions the idle reaper closed (oldest first, bounded)
+        self._expired: dict[int, str] = {}
 
     def admit(self, job: Job) -> None:
         """Register a request; ProtocolError for a duplicate id, or `busy` when it needs a
@@ -199,12 +212,19 @@ class JobBoard:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"request id {job.request.id!r} is already in flight"
                 )
+            if self._in_flight[job.peer] >= self.max_in_flight_per_client:
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"this client has {self._in_flight[job.peer]} requests in flight, the most"
+                    " one may have (2 x --max-sessions + --max-queue); wait for their replies",
+                )
             if job.opens_session:
                 self._check_quota(job)
                 self._take_slot_or_wait(job)
             if job.request.id is not None:
                 self._by_id[key] = job
             self._jobs.add(job)
+            self._in_flight[job.peer] += 1
 
     def _take_slot_or_wait(self, job: Job) -> None:
         """A free slot when nobody waits; else a place in the queue; else `busy` (call with
@@ -274,7 +294,11 @@ class JobBoard:
         """Take an ended job off the board; a slot it took and no session took over goes back,
         and a job still waiting for one leaves the queue."""
         with self._lock:
-            self._jobs.discard(job)
+            if job in self._jobs:
+                self._jobs.remove(job)
+                self._in_flight[job.peer] -= 1
+                if not self._in_flight[job.peer]:
+                    del self._in_flight[job.peer]
             if self._by_id.get((job.peer, job.request.id)) is job:
                 del self._by_id[(job.peer, job.request.id)]
             if job.waits:
@@ -294,15 +318,29 @@ class JobBoard:
             self._owners[session_id] = owner
         return owner
 
-    def session_closed(self, session_id: int) -> None:
+    def session_closed(self, session_id: int, *, expired: bool = False) -> None:
+        """The session is closed (`expired`: by the idle reaper, which its refusals say)."""
         with self._lock:
-            self._owners.pop(session_id, None)
+            owner = self._owners.pop(session_id, None)
+            if expired and owner is not None:
+                self._expired[session_id] = owner.token
+                if len(self._expired) > MAX_EXPIRED_REMEMBERED:
+                    del self._expired[next(iter(self._expired))]
 
-    def admits(self, session_id: int, token: str | None, user: str | None) -> bool:
-        """Whether that token (and CURVE key) may use the session."""
+    def check_session(self, session_id: int, token: str | None, user: str | None) -> None:
+        """`unknown_session` unless that token (and CURVE key) opens the session: never opened,
+        closed, expired, or another client's (a wrong token is not told apart)."""
         with self._lock:
             owner = self._owners.get(session_id)
-        return owner is not None and owner.admits(token, user)
+            if owner is not None and owner.admits(token, user):
+                return
+            closed_token = self._expired.get(session_id)
+            expired = closed_token is not None and same_secret(token, closed_token)
+        why = "expired (idle timeout)" if expired else "not open"
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_SESSION,
+            f"session {session_id} is {why} for this client (or its token is wrong)",
+        )
 
     def cancel(
         self,

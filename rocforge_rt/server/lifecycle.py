@@ -58,7 +58,6 @@ closes the session, and the close does not close it again.
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +66,7 @@ from rocforge_rt.engine.session import Session, TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import LatencyRecorder
-from rocforge_rt.server.access import Owner, same_secret
+from rocforge_rt.server.access import Owner
 from rocforge_rt.server.jobs import (
     CancelCause,
     Cancelled,
@@ -85,12 +84,11 @@ from rocforge_rt.server.jobs import (
 from rocforge_rt.server.logs import log_request_end
 from rocforge_rt.server.policy import Emit, StepPolicy
 from rocforge_rt.server.protocol import ErrorCode, ProtocolError, ok_reply
+from rocforge_rt.server.refusals import Refusals
 from rocforge_rt.server.replies import Outbox, final_reply, job_error_reply, stream_reply
 from rocforge_rt.server.translate import ENGINE_ERROR_CODES, check_room, turn_args
 
 log = logging.getLogger("rocforge.server")
-
-MAX_EXPIRED_REMEMBERED = 4096
 
 
 @dataclass(eq=False)
@@ -123,6 +121,7 @@ class Lifecycle:
         policy: StepPolicy,
         latency: LatencyRecorder,
         outbox: Outbox,
+        refusals: Refusals,
     ) -> None:
         self.engine = engine
         self.limits = limits
@@ -130,9 +129,8 @@ class Lifecycle:
         self.policy = policy
         self.latency = latency
         self.outbox = outbox
+        self.refusals = refusals
         self.sessions: dict[int, OpenSession] = {}
-        # (session id, token) of sessions closed by the idle reaper, for a clearer refusal
-        self._expired: deque[tuple[int, str]] = deque(maxlen=MAX_EXPIRED_REMEMBERED)
         self._next_reap = 0.0
 
     def session_of(self, job: Job) -> Session:
@@ -244,17 +242,8 @@ class Lifecycle:
         """The request's session, if its token (and CURVE key) admit it, and, when `idle`,
         nothing runs on it. A wrong or missing token is refused as a session not open."""
         sid = job.request.session
-        token = job.request.token
-        live = self.sessions.get(sid)
-        if live is None or not live.owner.admits(token, job.user):
-            expired = live is None and any(
-                s == sid and same_secret(token, t) for s, t in self._expired
-            )
-            why = "expired (idle timeout)" if expired else "not open"
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION,
-                f"session {sid} is {why} for this client (or its token is wrong)",
-            )
+        self.board.check_session(sid, job.request.token, job.user)
+        live = self.sessions[sid]
         if idle and live.job is not None:
             raise ProtocolError(
                 ErrorCode.SESSION_BUSY,
@@ -280,6 +269,7 @@ class Lifecycle:
         """
         if job.state is JobState.ENDED:
             return False
+        refused = isinstance(outcome, Failed) and job.state is JobState.QUEUED
         live = self.sessions.get(job.session_id) if job.session_id is not None else None
         reply = self._final_reply(job, live, outcome)  # before its session may close
         self.policy.remove(job)
@@ -291,7 +281,10 @@ class Lifecycle:
                 job.waited = time.perf_counter() - job.received
             self.latency.add_wait(job.waited)
         wait_ms = None if job.waited is None else job.waited * 1000.0
-        log_request_end(job.request.op, job.request.id, reply, wait_ms=wait_ms)
+        if refused:  # a line at debug level, and in the summary (refusals.py)
+            self.refusals.note(job.peer, outcome.code)
+        level = logging.DEBUG if refused else logging.INFO
+        log_request_end(job.request.op, job.request.id, reply, wait_ms=wait_ms, level=level)
         if live is not None and live.job is job:
             live.job = None
             live.last_used = time.perf_counter()
@@ -338,12 +331,13 @@ class Lifecycle:
         )
 
     # --- sessions -----------------------------------------------------------------------------
-    def close_session(self, live: OpenSession) -> None:
-        """Close a session no job runs on: its KV slot goes back to the engine and the board."""
+    def close_session(self, live: OpenSession, *, expired: bool = False) -> None:
+        """Close a session no job runs on: its KV slot goes back to the engine and the board
+        (`expired`: the idle reaper's)."""
         session_id = live.session.session_id
         self.engine.close_session(live.session)
         del self.sessions[session_id]
-        self.board.session_closed(session_id)
+        self.board.session_closed(session_id, expired=expired)
 
     def peer_gone(self, notice: PeerGone) -> None:
         """A client's connection closed: end its jobs running on its sessions now (its others
@@ -370,5 +364,4 @@ class Lifecycle:
                     live.session.session_id,
                     now - live.last_used,
                 )
-                self._expired.append((live.session.session_id, live.owner.token))
-                self.close_session(live)
+                self.close_session(live, expired=True)

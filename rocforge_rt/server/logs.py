@@ -5,8 +5,9 @@ Lines are timestamped and levelled; `--log-format json` writes each as one JSON 
 request's figures) for log shippers. Anything a client chose (a request id) is logged as
 a Python literal, so it cannot forge a line of its own. A request gets its line when the
 engine thread ends it (lifecycle.py), with the time it waited for a session slot when it
-needed one; those the I/O thread refuses up front (malformed, busy, over a bound) get
-none, so a flood of them cannot flood the log.
+needed one. A refused request (by the I/O thread up front, or by the engine thread before
+it started) gets its line at debug level only, and a summary of them all at info every
+few seconds (refusals.py), so a flood of them cannot flood the log.
 """
 
 import argparse
@@ -93,10 +94,16 @@ def request_fields(
 
 
 def log_request_end(
-    op: str, request_id: Any, reply: dict[str, Any], *, wait_ms: float | None = None
+    op: str,
+    request_id: Any,
+    reply: dict[str, Any],
+    *,
+    wait_ms: float | None = None,
+    level: int = logging.INFO,
 ) -> None:
-    """One line for a request that ended, whatever ended it."""
-    if not log.isEnabledFor(logging.INFO):
+    """One line for a request that ended, whatever ended it (at `level`: a refusal's is
+    debug, refusals.py sums them up)."""
+    if not log.isEnabledFor(level):
         return
     f = request_fields(op, request_id, reply, wait_ms)
     parts = []
@@ -116,7 +123,7 @@ def log_request_end(
         parts.append(f"{f['e2e_ms']:.1f} ms in all")
     if "finish_reason" in f:
         parts.append(f"finish {f['finish_reason']}")
-    log.info("request %r (%s): %s", request_id, op, ", ".join(parts), extra={"fields": f})
+    log.log(level, "request %r (%s): %s", request_id, op, ", ".join(parts), extra={"fields": f})
 
 
 class ThroughputLog:

@@ -15,6 +15,8 @@ from typing import Any
 import msgpack
 
 from rocforge_rt.server.fields import (
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
     Check,
     ErrorCode,
     ProtocolError,
@@ -160,8 +162,16 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))  # a turn's,
 
 
 # --- decoding -----------------------------------------------------------------------------
-def unpack(payload: bytes, max_bytes: int) -> Any:
-    """Decode one msgpack object with limits; ProtocolError when too large or malformed."""
+def max_array_items(max_prompt_tokens: int | None) -> int:
+    """The most items any array of a request may hold: a prompt's token ids (the daemon's
+    --max-prompt-tokens; None while it loads), chat messages or stop strings."""
+    return max(MAX_MESSAGES, MAX_STOP_STRINGS, max_prompt_tokens or 0)
+
+
+def unpack(payload: bytes, max_bytes: int, max_items: int) -> Any:
+    """Decode one msgpack object with limits; ProtocolError when too large or malformed. An
+    array over `max_items` (`max_array_items`) is refused as msgpack reads its header, before
+    any of its items is built."""
     if len(payload) > max_bytes:
         raise ProtocolError(
             ErrorCode.TOO_LARGE, f"request of {len(payload)} bytes exceeds the limit of {max_bytes}"
@@ -173,12 +183,20 @@ def unpack(payload: bytes, max_bytes: int) -> Any:
             strict_map_key=True,
             max_str_len=max_bytes,
             max_bin_len=max_bytes,
-            max_array_len=max_bytes,
+            max_array_len=max_items,
             max_map_len=MAX_MAP_FIELDS,
             max_ext_len=0,
         )
     except msgpack.StackError:
         raise _too_deep() from None
+    except ValueError as exc:
+        if "max_array_len" in str(exc):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"malformed request: an array of over {max_items} items, the most any field"
+                " takes (token ids: --max-prompt-tokens)",
+            ) from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed msgpack: {exc}") from None
     except Exception as exc:  # msgpack raises many types (ExtraData, ValueError...)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed msgpack: {exc}") from None
     if _nested_deeper(obj, MAX_NESTING):
@@ -203,6 +221,24 @@ def _nested_deeper(obj: Any, limit: int) -> bool:
         children = value.values() if isinstance(value, dict) else value
         stack.extend((c, depth + 1) for c in children if isinstance(c, list | dict))
     return False
+
+
+def peek_request_id(payload: bytes) -> int | str | None:
+    """The `id` of a request map, its other values skipped unread (in C, as msgpack walks
+    them): a request too large or too long to decode still gets its id in the refusal. None
+    when there is none to find."""
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, max_buffer_size=len(payload), max_ext_len=0
+    )
+    unpacker.feed(payload)
+    try:
+        for _ in range(min(unpacker.read_map_header(), MAX_MAP_FIELDS)):
+            if unpacker.unpack() == "id":
+                return request_id({"id": unpacker.unpack()})
+            unpacker.skip()
+    except Exception:  # not a map, malformed, cut short, nested too deep: msgpack's many types
+        return None
+    return None
 
 
 def request_id(obj: Any) -> int | str | None:

@@ -16,10 +16,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 from rocforge_rt.errors import RocforgeError, UsageError
 
@@ -63,6 +65,8 @@ def generate_keys(keys_dir: Path) -> KeyPaths:
     existing = [p for p in (paths.server_secret, paths.client_secret) if p.exists()]
     if existing:
         raise SecurityError(f"{existing[0]} exists; remove it or choose another folder")
+    import zmq.auth  # imports asyncio (~70 ms): where keys are made or read only
+
     keys_dir.mkdir(parents=True, exist_ok=True)
     paths.authorized_dir.mkdir(exist_ok=True)
     zmq.auth.create_certificates(keys_dir, "server")
@@ -168,6 +172,8 @@ def check_bind(endpoint: str, keys_dir: Path | None) -> None:
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     if not path.is_file():
         raise SecurityError(f"CURVE key file {path} is missing; make keys with `rocforge keys DIR`")
+    import zmq.auth  # see generate_keys
+
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -177,13 +183,17 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
-def secure_server(context: zmq.Context, socket: zmq.Socket, keys_dir: Path) -> ThreadAuthenticator:
+def secure_server(
+    context: zmq.Context, socket: zmq.Socket, keys_dir: Path
+) -> "ThreadAuthenticator":
     """Make `socket` a CURVE server that accepts the authorized clients; returns the
     authenticator, which the caller stops when it closes the socket."""
     paths = key_paths(keys_dir)
     public, secret = _load(paths.server_secret, secret=True)
     if not paths.authorized_dir.is_dir():
         raise SecurityError(f"{paths.authorized_dir} is missing: no client could connect")
+    from zmq.auth.thread import ThreadAuthenticator
+
     auth = ThreadAuthenticator(context)
     auth.start()
     auth.configure_curve(domain="*", location=str(paths.authorized_dir))

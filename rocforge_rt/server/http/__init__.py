@@ -25,8 +25,12 @@ Modules, each importing only those above it in this list (and server/ below):
 - `openai_requests.py`: OpenAI request bodies checked, as `generate` fields (`Generation`).
 - `openai_replies.py`: the daemon's token replies as completions and chunks (finish
   reasons, usage, logprobs).
-- `middleware.py`: a log line per request (`RequestLog`), the API key check.
+- `middleware.py`: a log line per request (`RequestLog`), the Host check (421), CORS, the
+  API key check.
+- `transport.py`: the connections, bounded (uvicorn's h11 protocol subclassed: request
+  head timeout 408 and size 431, a connection cap evicting the oldest head-reading one,
+  half-closed clients answered, accept errors logged once), and uvicorn's settings.
 - `app.py`: the Starlette app (routes, server-sent events, client disconnects).
 - `command.py`: `rocforge http` and `python -m rocforge_rt.server.http` (options, the
-  listen check, uvicorn).
+  listen check, serving).
 """

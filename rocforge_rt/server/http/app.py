@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -53,8 +53,11 @@ from rocforge_rt.server.http.front_metrics import FrontMetrics
 from rocforge_rt.server.http.middleware import (
     CLIENT_GONE,
     ApiKeyCheck,
+    HostCheck,
     Outcome,
     RequestLog,
+    allowed_hosts,
+    cors,
     outcome,
 )
 from rocforge_rt.server.http.openai_replies import ChatShaper, CompletionShaper, Shaper
@@ -63,10 +66,13 @@ from rocforge_rt.server.http.openai_requests import (
     chat_request,
     completion_request,
 )
+from rocforge_rt.server.http.transport import client_eof
+from rocforge_rt.server.protocol import ProtocolError
 
 log = logging.getLogger("rocforge.http")
 
-MAX_BODY_BYTES = 8 << 20  # a request body; the daemon's own bound (--max-request-bytes) follows
+BODY_TIMEOUT_S = 30.0  # the longest a request body may take to arrive (nginx: 60 s a read)
+JSON_TYPES = ("application/json",)  # a body's Content-Type, parameters (charset) aside
 INFO_TIMEOUT_S = 5.0  # `info` and `health` are answered by the daemon's I/O thread at once
 HEALTH_TIMEOUT_S = 2.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -80,15 +86,20 @@ class FrontConfig:
     curve_keys: Path | None = None  # client.key_secret and server.key, for a CURVE daemon
     model_name: str | None = None  # the model's id (default: the GGUF file name's stem)
     reply_timeout_s: float = REPLY_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S  # a request body slower than this: 408
+    listen_host: str = "127.0.0.1"  # where the front listens: its default allowed hosts
+    allowed_hosts: tuple[str, ...] | None = None  # the Host names served (`*`: any)
+    cors_origins: tuple[str, ...] = ()  # the origins browsers may call from (none: no CORS)
 
 
 @dataclass(frozen=True)
 class ModelCard:
-    """The daemon's model as this front names it, from `info`."""
+    """The daemon's model as this front names it, and its limits, from `info`."""
 
     id: str
     created: int
     max_new_tokens: int
+    max_request_bytes: int  # the daemon's --max-request-bytes: the largest body taken
 
     def entry(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "rocforge"}
@@ -120,14 +131,20 @@ async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Non
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or ClientGone (and `work` cancelled) if the client goes first."""
+async def _unless_disconnected(request: Request, work: Awaitable[Any], *, eof_is_gone: bool) -> Any:
+    """`work`'s result, or ClientGone (and `work` cancelled) if the client goes first: its
+    connection closes or, with `eof_is_gone`, it sends EOF. A whole reply takes EOF for gone,
+    as nginx does: the front cannot tell a client that half-closed from one that left until
+    it writes to it, and a stream writes soon (a client gone is found at its first events)."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
+    watches = [asyncio.ensure_future(_disconnected(request.receive))]
+    if eof_is_gone:
+        watches.append(asyncio.ensure_future(client_eof(request.scope)))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
+        for watch in watches:
+            watch.cancel()
         task.cancel()  # a no-op once it is done
     if task.done() and not task.cancelled():
         return task.result()
@@ -176,7 +193,9 @@ class Front:
         )
         self._card: ModelCard | None = None
         self._card_generation = -1
-        self.metrics = FrontMetrics(route.path for route in self.routes())
+        self.metrics = FrontMetrics(
+            (route.path for route in self.routes()), pending=lambda: self.link.pending
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -210,7 +229,10 @@ class Front:
         except DaemonError as exc:
             raise from_daemon(exc.code, exc.message) from None
         name = self.config.model_name or Path(info["model"]["path"]).stem
-        self._card = ModelCard(name, int(time.time()), info["limits"]["max_new_tokens"])
+        limits = info["limits"]
+        self._card = ModelCard(
+            name, int(time.time()), limits["max_new_tokens"], limits["max_request_bytes"]
+        )
         self._card_generation = generation
         return self._card
 
@@ -269,16 +291,20 @@ class Front:
         shaper_type: type[Shaper],
     ) -> Response:
         record = outcome(request.scope)
-        generation = parse(await _json_body(request))
-        record.stream = generation.stream
         card = await self.card()
+        body = await _json_body(request, card.max_request_bytes, self.config.body_timeout_s)
+        generation = parse(body)
+        record.stream = generation.stream
         self._check_model(generation.model, card)
         fields = generation.generate_fields(card.max_new_tokens)
         shaper = shaper_type(generation, card.id)
-        stream = self.link.stream("generate", **fields)
+        try:
+            stream = self.link.stream("generate", max_bytes=card.max_request_bytes, **fields)
+        except ProtocolError as exc:  # what the daemon would refuse: it never sees it
+            raise from_daemon(exc.code, exc.message, generation.prompt_field) from None
         try:
             if generation.stream:
-                first = await _unless_disconnected(request, stream.next())
+                first = await _unless_disconnected(request, stream.next(), eof_is_gone=False)
                 record.note_reply(first)
                 events = self._events(shaper, stream, first, record)
                 response = EventStream(
@@ -286,7 +312,8 @@ class Front:
                 )
                 stream = None  # the event stream closes it
                 return response
-            await _unless_disconnected(request, self._collect(shaper, stream, record))
+            collected = self._collect(shaper, stream, record)
+            await _unless_disconnected(request, collected, eof_is_gone=True)
             return JSONResponse(shaper.whole())
         except DaemonError as exc:
             raise from_daemon(exc.code, exc.message, generation.prompt_field) from None
@@ -361,21 +388,69 @@ def _handler(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
     return handle
 
 
-async def _json_body(request: Request) -> Any:
-    """The request's JSON body (400 when it is not JSON, 413 when over MAX_BODY_BYTES)."""
-    too_large = ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+async def _json_body(request: Request, max_bytes: int, timeout_s: float) -> Any:
+    """The request's JSON body: 415 when it is not declared JSON (a cross-site form or
+    text/plain post, which a browser sends without asking), 413 when over `max_bytes` (the
+    daemon's limit: it never sees a larger request), 408 when it takes over `timeout_s` to
+    arrive, 400 when it is not JSON or holds a string that is not Unicode text."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type not in JSON_TYPES:
+        raise ApiError(
+            415,
+            f"the request body must be JSON, sent as `Content-Type: application/json`"
+            f" (found {content_type or 'none'!r})",
+            code="unsupported_media_type",
+        )
+    too_large = ApiError(
+        413,
+        f"the request body is over {max_bytes} bytes (the daemon's --max-request-bytes)",
+        code="request_too_large",
+    )
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > max_bytes:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
     try:
-        return json.loads(body)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise too_large
+    except ClientDisconnect:  # it left before the whole body came
+        raise ClientGone from None
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body took over {timeout_s:g} s to arrive", code="request_timeout"
+        ) from None
+    try:
+        parsed = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise bad_field(None, f"the request body is not valid JSON: {exc}") from None
+    _check_text(parsed)
+    return parsed
+
+
+def _check_text(value: Any) -> None:
+    """400 for a string that is not Unicode text: JSON's escapes can spell a lone surrogate
+    ("\\ud800"), which no UTF-8 encoder (msgpack's, the tokenizer's) takes."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start : exc.start + 1].encode("unicode_escape").decode()
+                raise bad_field(
+                    None,
+                    f"the request body holds a string that is not Unicode text (a lone"
+                    f" surrogate, {bad}, at character {exc.start})",
+                ) from None
 
 
 async def _http_error(_request: Request, exc: Exception) -> Response:
@@ -390,6 +465,8 @@ def create_app(config: FrontConfig) -> Starlette:
         routes=front.routes(),
         middleware=[
             Middleware(RequestLog, metrics=front.metrics),
+            Middleware(HostCheck, allowed=allowed_hosts(config.listen_host, config.allowed_hosts)),
+            *cors(config.cors_origins),  # outside the key check: a preflight carries no key
             Middleware(ApiKeyCheck, api_key=config.api_key),
         ],
         exception_handlers={HTTPException: _http_error},

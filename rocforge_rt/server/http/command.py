@@ -1,13 +1,17 @@
 """`rocforge http` (and `python -m rocforge_rt.server.http`): run the HTTP front.
 
     rocforge http --daemon tcp://127.0.0.1:5555 --listen 127.0.0.1:8000 [--api-key KEY]
-                  [--curve-keys DIR] [--model-name NAME] [--log-level L] [--log-format F]
+                  [--curve-keys DIR] [--model-name NAME] [--allowed-hosts HOSTS]
+                  [--cors-origins ORIGINS] [--max-connections N] [--log-level L]
+                  [--log-format F]
 
 The API key may come from the environment (ROCFORGE_API_KEY) instead, where `ps` does not
 show it; `rocforge serve --http` hands its key to the front that way. Listening beyond
 loopback without a key is refused before anything starts. `--exit-with-parent` (what
 `serve --http` passes) stops the front when the process that started it is gone, so a
-daemon killed without a chance to stop its front leaves none behind.
+daemon killed without a chance to stop its front leaves none behind. The connections'
+bounds (head timeout and size, the connection cap) are transport.py's; the Host check and
+CORS, middleware.py's.
 """
 
 import argparse
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rocforge_rt.errors import UsageError
-from rocforge_rt.server.command_line import Parser, run
+from rocforge_rt.server.command_line import Parser, positive_int, run
 from rocforge_rt.server.logs import add_log_options, configure_logging
 from rocforge_rt.server.security import API_KEY_ENV, check_http_listen, client_keys
 
@@ -27,8 +31,8 @@ log = logging.getLogger("rocforge.http")
 
 DEFAULT_DAEMON = "tcp://127.0.0.1:5555"
 DEFAULT_LISTEN = "127.0.0.1:8000"
-SHUTDOWN_GRACE_S = 5  # streams still open at SIGTERM get this long to end
 PARENT_POLL_S = 0.5
+DEFAULT_MAX_CONNECTIONS = 1000  # transport.py's MAX_CONNECTIONS (not imported: uvicorn's slow)
 
 
 def add_http_options(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +60,31 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         help="the model's id in the API (default: the GGUF file name's stem)",
     )
     parser.add_argument(
+        "--allowed-hosts",
+        type=comma_list,
+        metavar="HOSTS",
+        help="the Host names served, comma-separated (`*`: any; `*.example.com`: its"
+        " subdomains); others get 421 (default: on loopback, localhost, 127.0.0.1 and [::1];"
+        " on 0.0.0.0 or [::], any; otherwise the --listen host)",
+    )
+    parser.add_argument(
+        "--cors-origins",
+        type=comma_list,
+        default=(),
+        metavar="ORIGINS",
+        help="the origins browsers may call the API from, comma-separated (`*`: any)"
+        " (default: none, no CORS headers)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="open connections at most (fewer if the descriptor limit leaves less room); past"
+        " it the oldest one still sending its request head is closed"
+        f" (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the parent process is gone"
     )
     add_log_options(parser)
@@ -73,9 +102,9 @@ def add_http_command(sub: Any) -> None:
 def run_http(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; a UsageError for a listen address refused or a malformed
     daemon address."""
-    import uvicorn
-
     from rocforge_rt.server.http.app import FrontConfig, create_app
+    from rocforge_rt.server.http.transport import FrontServer, TransportLimits
+    from rocforge_rt.server.http.transport import server_config as transport_config
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     host, port = check_http_listen(args.listen, api_key)
@@ -84,31 +113,34 @@ def run_http(args: argparse.Namespace) -> int:
         client_keys(curve_keys)  # a missing or unreadable key file, named before serving
     configure_logging(args.log_level, args.log_format)
     config = FrontConfig(
-        daemon=args.daemon, api_key=api_key, curve_keys=curve_keys, model_name=args.model_name
+        daemon=args.daemon,
+        api_key=api_key,
+        curve_keys=curve_keys,
+        model_name=args.model_name,
+        listen_host=host,
+        allowed_hosts=args.allowed_hosts,
+        cors_origins=args.cors_origins,
     )
     try:
         app = create_app(config)
     except ValueError as exc:  # a malformed daemon address
         raise UsageError(str(exc)) from None
-    server = uvicorn.Server(server_config(app, host, port))
+    limits = TransportLimits(max_connections=args.max_connections)
+    server = FrontServer(transport_config(app, host, port, limits))
     asyncio.run(_serve(server, args.exit_with_parent))
     return 0 if server.started else 1
 
 
 def server_config(app: Any, host: str, port: int) -> Any:
-    """uvicorn's settings: our logging (no access log of its own: RequestLog writes it)."""
-    import uvicorn
+    """transport.py's `server_config`, with the default limits (imported when called)."""
+    from rocforge_rt.server.http.transport import server_config as transport_config
 
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        server_header=False,
-    )
+    return transport_config(app, host, port)
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """A comma-separated option: its items, stripped, empty ones dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 async def _serve(server: Any, exit_with_parent: bool) -> None:

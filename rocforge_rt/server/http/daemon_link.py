@@ -1,7 +1,10 @@
 """The HTTP front's link to the daemon: one DEALER socket that carries every request at once.
 
 Each HTTP request becomes daemon requests with ids of their own (a counter: ids are per
-connection on the daemon's side). One reader task takes every reply off the socket and
+connection on the daemon's side). A request is checked as the daemon would check it (its
+schema, and its size against the daemon's --max-request-bytes) before it is sent and before
+anything is held for it: no client of the front can make the daemon refuse or drop the one
+connection every stream shares. One reader task takes every reply off the socket and
 puts it on the queue of the request it answers; a handler waits on its own queue only,
 so a thousand streams share one socket and one task. `send` never waits: the socket is
 `immediate` (nothing is queued for a daemon that is not connected), so a request to a
@@ -32,6 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from rocforge_rt.server.peers import watch_silent_peers
+from rocforge_rt.server.protocol import ErrorCode, ProtocolError, parse_request
 from rocforge_rt.server.security import endpoint_problem, secure_client
 
 log = logging.getLogger("rocforge.http")
@@ -173,25 +177,41 @@ class DaemonLink:
             self._context.term()
             self._socket = None
 
+    @property
+    def pending(self) -> int:
+        """Requests sent whose replies are still listened for (until `release`)."""
+        return len(self._queues)
+
     # --- requests -----------------------------------------------------------------------------
-    def send(self, op: str, **fields: Any) -> int:
+    def send(self, op: str, *, max_bytes: int | None = None, **fields: Any) -> int:
         """Send a request now (fields that are None are left out); its id, whose replies
-        `receive` gives until `release`. DaemonUnavailable when it cannot go out."""
+        `receive` gives until `release`. DaemonUnavailable when it cannot go out;
+        ProtocolError, as the daemon's refusal would say, for a request the daemon would
+        refuse for its form or for being over `max_bytes` packed (its --max-request-bytes):
+        the daemon never sees it, and nothing is held for it."""
         rid = next(self._ids)
-        self._queues[rid] = asyncio.Queue()
         request = {"op": op, "id": rid, **{k: v for k, v in fields.items() if v is not None}}
+        parse_request(request)
+        payload = msgpack.packb(request, use_bin_type=True)
+        if max_bytes is not None and len(payload) > max_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"the request is {len(payload)} bytes, over the daemon's limit of {max_bytes}"
+                " (--max-request-bytes)",
+            )
+        self._queues[rid] = asyncio.Queue()
         try:
-            self._send_now(request)
+            self._send_now(payload)
         except DaemonUnavailable:
             self.release(rid)
             raise
         return rid
 
-    def _send_now(self, request: dict[str, Any]) -> None:
+    def _send_now(self, payload: bytes) -> None:
         if self._socket is None:
             raise DaemonUnavailable("the link to the daemon is closed")
         # NOBLOCK resolves at once: a done future (nothing else here ever waits to send)
-        sent = self._socket.send(msgpack.packb(request, use_bin_type=True), zmq.NOBLOCK)
+        sent = self._socket.send(payload, zmq.NOBLOCK)
         error = sent.exception() if sent.done() else None
         if isinstance(error, zmq.Again):
             raise DaemonUnavailable(f"the daemon at {self.addr} is not connected")
@@ -216,7 +236,8 @@ class DaemonLink:
     def abort(self, rid: int) -> None:
         """Ask the daemon to stop request `rid` (a no-op when it has ended or is unknown)."""
         with contextlib.suppress(DaemonUnavailable):  # no connection: the daemon cut it already
-            self._send_now({"op": "abort", "request": rid})  # no id: its reply is dropped
+            abort = {"op": "abort", "request": rid}  # no id: its reply is dropped
+            self._send_now(msgpack.packb(abort, use_bin_type=True))
 
     async def call(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """One request, one reply; DaemonError for an error reply."""
@@ -228,9 +249,9 @@ class DaemonLink:
         _raise_for_error(reply)
         return reply
 
-    def stream(self, op: str, **fields: Any) -> Stream:
+    def stream(self, op: str, *, max_bytes: int | None = None, **fields: Any) -> Stream:
         """Send a streaming request (`generate`); read its replies with `Stream.next`."""
-        return Stream(self, self.send(op, **fields), self.reply_timeout_s)
+        return Stream(self, self.send(op, max_bytes=max_bytes, **fields), self.reply_timeout_s)
 
     # --- tasks --------------------------------------------------------------------------------
     async def _read_replies(self) -> None:

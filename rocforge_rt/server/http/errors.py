@@ -57,6 +57,7 @@ DAEMON_ERRORS: dict[str, tuple[int, str]] = {
     ErrorCode.LIMIT_EXCEEDED: (400, INVALID_REQUEST),
     ErrorCode.TOO_LARGE: (413, INVALID_REQUEST),
     ErrorCode.BUSY: (429, RATE_LIMIT),
+    ErrorCode.RATE_LIMITED: (429, RATE_LIMIT),
     ErrorCode.NOT_READY: (503, UNAVAILABLE),
     ErrorCode.SHUTTING_DOWN: (503, UNAVAILABLE),
     ErrorCode.ABORTED: (503, UNAVAILABLE),  # the front aborts only for a client gone: shutdown

@@ -4,10 +4,12 @@ Per route (the front's route templates, e.g. `/v1/models/{model:path}`, and `oth
 any other path, so a client cannot grow the label set):
 `rocforge:http_requests_total{method, route, status}` and
 `rocforge:http_request_duration_seconds{route}` (to a stream's last event), and
-`rocforge:daemon_up`, whether the daemon answered this scrape's `metrics` op.
+`rocforge:daemon_up`, whether the daemon answered this scrape's `metrics` op, and
+`rocforge:http_daemon_requests_pending`, the requests sent to the daemon whose last reply
+has not come (a request the front refused or finished holds none).
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -19,7 +21,7 @@ OTHER_ROUTE = "other"
 class FrontMetrics:
     """One front's registry (see the module docstring)."""
 
-    def __init__(self, routes: Iterable[str]) -> None:
+    def __init__(self, routes: Iterable[str], pending: Callable[[], int]) -> None:
         routes = list(routes)
         self._exact = frozenset(r for r in routes if "{" not in r)
         # a template's fixed part before its first parameter
@@ -43,6 +45,11 @@ class FrontMetrics:
             "Whether the daemon answered the last scrape (1) or not (0).",
             registry=self.registry,
         )
+        Gauge(
+            PREFIX + "http_daemon_requests_pending",
+            "Requests sent to the daemon whose last reply has not come.",
+            registry=self.registry,
+        ).set_function(pending)
 
     def route(self, path: str) -> str:
         """The route template a path takes, else OTHER_ROUTE."""
