@@ -465,6 +465,17 @@ def test_a_vanished_client_with_its_own_routing_id_keeps_its_sessions_until_it_c
         assert_every_slot_is_free(daemon.endpoint)
 
 
+def generate_on_a_session(peer: Peer) -> tuple[int, str]:
+    """Open a session of a 40-token turn and have a `generate` on it under way (its first
+    reply read); the session and its token."""
+    peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
+    opened = peer.until("open")[-1]
+    session, token = opened["session"], opened["token"]
+    peer.request(op="generate", id="gen", session=session, token=token)
+    peer.recv()
+    return session, token
+
+
 # --- 4b. a client's own bounds: refused at the socket, in flight ---------------------------------
 def test_a_request_on_a_session_it_cannot_open_is_refused_at_the_socket_at_once(
     tiny_model: Path,
@@ -490,11 +501,7 @@ def test_a_client_has_at_most_two_requests_a_slot_and_the_queue_in_flight(
     with serving(tiny_model, slow(0.05), max_queue=0) as daemon:
         peer = Peer(daemon.endpoint)
         try:
-            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
-            opened = peer.until("open")[-1]
-            session, token = opened["session"], opened["token"]
-            peer.request(op="generate", id="gen", session=session, token=token)
-            peer.recv()  # under way: one request in flight
+            session, token = generate_on_a_session(peer)  # one request in flight
             for i in range(2 * N_SLOTS):  # three more to the bound of four, then one past it
                 peer.request(op="step", id=i, session=session, token=token)
             (past,) = peer.until(2 * N_SLOTS - 1, timeout=0.5)  # before the step ends
@@ -537,8 +544,10 @@ def assert_sigterm_exits_0_within_2_s(process: Any, log_line: str) -> None:
     assert log_line in process.stderr.read()
 
 
-def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -> None:
-    process, addr = spawn_serve(["-c", SLOW_UPLOAD], thirty_layers, ctx_size=64)
+def assert_sigterm_while_loading_exits_0_within_2_s(launcher: str, model: Path) -> None:
+    """`serve` run by `launcher` (a script slowing a part of the load) answers `health` as
+    loading, and SIGTERM then stops it."""
+    process, addr = spawn_serve(["-c", launcher], model, ctx_size=64)
     try:
         with connect(addr, timeout=10) as client:
             assert client.health()["state"] == "loading"
@@ -546,6 +555,10 @@ def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -
     finally:
         process.kill()
         process.wait()
+
+
+def test_sigterm_while_the_model_loads_exits_0_within_2_s(thirty_layers: Path) -> None:
+    assert_sigterm_while_loading_exits_0_within_2_s(SLOW_UPLOAD, thirty_layers)
 
 
 SLOW_READ = """
@@ -567,14 +580,7 @@ sys.exit(main(sys.argv[1:]))
 def test_the_socket_answers_health_while_the_model_file_is_read_and_sigterm_stops_it(
     tiny_model: Path,
 ) -> None:
-    process, addr = spawn_serve(["-c", SLOW_READ], tiny_model, ctx_size=64)
-    try:
-        with connect(addr, timeout=10) as client:
-            assert client.health()["state"] == "loading"
-        assert_sigterm_exits_0_within_2_s(process, "stopped while loading")
-    finally:
-        process.kill()
-        process.wait()
+    assert_sigterm_while_loading_exits_0_within_2_s(SLOW_READ, tiny_model)
 
 
 @pytest.mark.slow

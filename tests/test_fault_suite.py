@@ -30,7 +30,14 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_daemon import PROMPT, TINY, Peer, serving, slow, wait_for
-from test_daemon_hardening import CASES, answered_as_expected, decode_steps, probe, race
+from test_daemon_hardening import (
+    CASES,
+    answered_as_expected,
+    decode_steps,
+    generate_on_a_session,
+    probe,
+    race,
+)
 
 from rocforge_client import connect
 from rocforge_rt.server import backlog as backlog_module
@@ -232,11 +239,7 @@ def test_clients_that_vanish_mid_stream(suite: tuple[Daemon, list[int]]) -> None
         before = decode_steps(daemon.endpoint)
         peer = Peer(daemon.endpoint)
         try:
-            peer.request(op="open", id="open", tokens=PROMPT, max_tokens=40)
-            opened = peer.until("open")[-1]
-            session, token = opened["session"], opened["token"]
-            peer.request(op="generate", id="gen", session=session, token=token)
-            peer.recv()  # under way
+            generate_on_a_session(peer)
         finally:
             peer.close()
         with connect(daemon.endpoint, timeout=5) as client:
@@ -303,12 +306,14 @@ def test_a_client_flooding_invalid_requests(suite: tuple[Daemon, list[int]]) -> 
             rest = client.step(first.session, N_TOKENS - 1)
             client.close(first.session)
             assert [t.token for r in (first, rest) for t in r.tokens] == reference
+        wait_for(lambda: drain(100) or codes["rate_limited"] > 0, timeout=30)
         drain(500)
     finally:
         flood.close()
-    assert codes["unknown_session"] >= daemon.config.max_refusals_per_client
-    assert codes["rate_limited"] >= 1
-    assert sum(codes.values()) < 20_000  # the rest dropped unread
+    # past its budget (the replies of a client this slow to read may be dropped as well:
+    # the suite's backlog holds 50), then the rest of each second dropped unread
+    assert codes["rate_limited"] > 0 and codes["unknown_session"] > 0
+    assert sum(codes.values()) < 20_000
     TALLY["flooded invalid requests"] += 20_000
     TALLY["of them dropped unread"] += 20_000 - sum(codes.values())
 
