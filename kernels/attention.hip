@@ -479,9 +479,8 @@ RF_DEVICE_INLINE void rf_attn_store_state(float* state, int c, float big_m, floa
 
 // Fold n records from `records` on, in order, into a state that starts at (-inf, 0, 0),
 // for each of the group's heads (head h's records from records + h head_stride): a thread
-// per (head, 4 dims), loading straight from global memory (no L1 prefetch first: on an
-// H200 it held the folding block about 0.5 us, and decode ran 1.7-2.3% faster at depth
-// 2048-4096 without it). Head h's state goes to dst + h dst_stride (rf_attn_store_state).
+// per (head, 4 dims), loading straight from global memory (no L1 prefetch first: it held
+// the folding block and slowed decode at depth; docs/performance.md). Head h's state goes to dst + h dst_stride (rf_attn_store_state).
 template <int D>
 RF_DEVICE_INLINE void rf_attn_fold_records(const float* records, int n, int64_t head_stride,
                                            int group, float* dst, int64_t dst_stride,
@@ -786,8 +785,8 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
 }
 
 // One kernel per head dim and pool format: one kernel switching over all four head dims
-// took the widest's registers (125 instead of 93 at d = 64) and ran a third longer at short
-// contexts on an H100. The pools are passed as bytes (either format).
+// took the widest's registers and ran longer at short contexts (docs/performance.md). The
+// pools are passed as bytes (either format).
 #define RF_ATTN_DECODE_PARAMS                                                              \
     const float *RF_RESTRICT q, const uint8_t *RF_RESTRICT k_cache,                        \
         const uint8_t *RF_RESTRICT v_cache, const int32_t *RF_RESTRICT positions,          \
@@ -799,30 +798,7 @@ RF_DEVICE_INLINE void rf_attn_decode(rf_attn_decode_shared& sh, const float* RF_
     rf_pdl_launch_dependents(); /* rf_attn_decode waits */                                 \
     rf_attn_decode<D, FP8>(sh, q, k_cache, v_cache, positions, slots, n_ctx, n_head, n_kv, \
                            qscale, max_tiles, partial, counters, out, xq, ahead, wave, fold)
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d32(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(32, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d64(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(64, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d96(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(96, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d128(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(128, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d32_fp8(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(32, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d64_fp8(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(64, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d96_fp8(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(96, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_decode_d128_fp8(RF_ATTN_DECODE_PARAMS) {
-    RF_ATTN_DECODE(128, true);
-}
+// rf_attention_decode_d<D>[_fp8]: kernel_variants.py ATTENTION_KERNELS.
 
 // ---------------------------------------------------------------------------------------
 // The fold kernel's shared memory: the records of a copy (as many whole spans' parts as
@@ -920,30 +896,11 @@ RF_DEVICE_INLINE void rf_attn_fold_apart(rf_attn_fold_shared<D>& sh,
     const int32_t *RF_RESTRICT positions, int n_head, int max_tiles,                        \
         const float *RF_RESTRICT partial, float *RF_RESTRICT out, uint8_t *RF_RESTRICT xq
 #define RF_ATTN_FOLD_ARGS sh, positions, n_head, max_tiles, partial, out, xq
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_fold_d32(RF_ATTN_FOLD_PARAMS) {
-    __shared__ __align__(16) rf_attn_fold_shared<32> sh;
-    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
-    rf_attn_fold_apart<32>(RF_ATTN_FOLD_ARGS);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_fold_d64(RF_ATTN_FOLD_PARAMS) {
-    __shared__ __align__(16) rf_attn_fold_shared<64> sh;
-    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
-    rf_attn_fold_apart<64>(RF_ATTN_FOLD_ARGS);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_fold_d96(RF_ATTN_FOLD_PARAMS) {
-    __shared__ __align__(16) rf_attn_fold_shared<96> sh;
-    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
-    rf_attn_fold_apart<96>(RF_ATTN_FOLD_ARGS);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS)
-void rf_attention_fold_d128(RF_ATTN_FOLD_PARAMS) {
-    __shared__ __align__(16) rf_attn_fold_shared<128> sh;
-    rf_pdl_launch_dependents();  // rf_attn_fold_apart waits
-    rf_attn_fold_apart<128>(RF_ATTN_FOLD_ARGS);
-}
+#define RF_ATTN_FOLD(D)                                                                     \
+    __shared__ __align__(16) rf_attn_fold_shared<D> sh;                                     \
+    rf_pdl_launch_dependents(); /* rf_attn_fold_apart waits */                              \
+    rf_attn_fold_apart<D>(RF_ATTN_FOLD_ARGS)
+// rf_attention_fold_d<D>: kernel_variants.py ATTENTION_KERNELS.
 
 // ---------------------------------------------------------------------------------------
 // Tile buffers (K and V each) a prefill block stages: two where they fit 48 KiB of static
@@ -1183,27 +1140,4 @@ RF_DEVICE_INLINE void rf_attn_prefill(uint16_t* s_tiles, const float* RF_RESTRIC
     __shared__ __align__(16) uint16_t s_tiles[2 * RF_ATTN_STAGES(D) * RF_ATTN_STAGE(D)];     \
     rf_attn_prefill<D, FP8>(s_tiles, q, k_cache, v_cache, positions, slots, n_tokens, n_ctx, \
                             n_head, n_kv, qscale, out)
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d32(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(32, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d64(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(64, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d96(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(96, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d128(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(128, false);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d32_fp8(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(32, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d64_fp8(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(64, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d96_fp8(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(96, true);
-}
-RF_KERNEL_BOUNDS(RF_ATTN_THREADS) void rf_attention_prefill_d128_fp8(RF_ATTN_PREFILL_PARAMS) {
-    RF_ATTN_PREFILL(128, true);
-}
+// rf_attention_prefill_d<D>[_fp8]: kernel_variants.py ATTENTION_KERNELS.

@@ -61,23 +61,11 @@ RF_DEVICE_INLINE void rf_embed_rows(const uint8_t* RF_RESTRICT table, int64_t ro
     }
 }
 
-RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
-void rf_embed_q8_0(const uint8_t* RF_RESTRICT table, int64_t row_stride, int n_rows, int n_embd,
-                   const int32_t* RF_RESTRICT tokens, int n_tokens, float* RF_RESTRICT out) {
-    rf_embed_rows<rf_q8_0_value>(table, row_stride, n_rows, n_embd, tokens, n_tokens, out);
-}
-
-RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
-void rf_embed_q4_0(const uint8_t* RF_RESTRICT table, int64_t row_stride, int n_rows, int n_embd,
-                   const int32_t* RF_RESTRICT tokens, int n_tokens, float* RF_RESTRICT out) {
-    rf_embed_rows<rf_q4_0_value>(table, row_stride, n_rows, n_embd, tokens, n_tokens, out);
-}
-
-RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
-void rf_embed_f16(const uint8_t* RF_RESTRICT table, int64_t row_stride, int n_rows, int n_embd,
-                  const int32_t* RF_RESTRICT tokens, int n_tokens, float* RF_RESTRICT out) {
-    rf_embed_rows<rf_f16_value>(table, row_stride, n_rows, n_embd, tokens, n_tokens, out);
-}
+// rf_embed_q8_0, rf_embed_q4_0, rf_embed_f16: kernel_variants.py EmbedKernel.
+#define RF_EMBED_PARAMS                                                                    \
+    const uint8_t *RF_RESTRICT table, int64_t row_stride, int n_rows, int n_embd,          \
+        const int32_t *RF_RESTRICT tokens, int n_tokens, float *RF_RESTRICT out
+#define RF_EMBED_ARGS table, row_stride, n_rows, n_embd, tokens, n_tokens, out
 
 // Rows repacked at load as the GEMV kernels read them (kernels/gemv.hip): quants
 // qs [n_rows, n_embd * bits / 8] and f16 scales d [n_rows, n_embd / 32] apart.
@@ -111,16 +99,8 @@ RF_DEVICE_INLINE void rf_embed_split_rows(const uint8_t* RF_RESTRICT qs,
     }
 }
 
-RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
-void rf_embed_q8_0_split(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n_rows,
-                         int n_embd, const int32_t* RF_RESTRICT tokens, int n_tokens,
-                         float* RF_RESTRICT out) {
-    rf_embed_split_rows<8>(qs, d, n_rows, n_embd, tokens, n_tokens, out);
-}
-
-RF_KERNEL_BOUNDS(RF_EMBED_THREADS)
-void rf_embed_q4_0_split(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n_rows,
-                         int n_embd, const int32_t* RF_RESTRICT tokens, int n_tokens,
-                         float* RF_RESTRICT out) {
-    rf_embed_split_rows<4>(qs, d, n_rows, n_embd, tokens, n_tokens, out);
-}
+// rf_embed_q8_0_split, rf_embed_q4_0_split: kernel_variants.py EmbedKernel.
+#define RF_EMBED_SPLIT_PARAMS                                                              \
+    const uint8_t *RF_RESTRICT qs, const uint16_t *RF_RESTRICT d, int n_rows, int n_embd,  \
+        const int32_t *RF_RESTRICT tokens, int n_tokens, float *RF_RESTRICT out
+#define RF_EMBED_SPLIT_ARGS qs, d, n_rows, n_embd, tokens, n_tokens, out

@@ -139,17 +139,11 @@ RF_DEVICE_INLINE void rf_quantize_q8(const float* RF_RESTRICT x, int k, const fl
     }
 }
 
-RF_KERNEL_BOUNDS(RF_Q8_THREADS)
-void rf_quantize_q8_rows(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
-                         float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
-    rf_quantize_q8<rf_q8_rows_layout>(x, k, gain, eps, xq, xd);
-}
-
-RF_KERNEL_BOUNDS(RF_Q8_THREADS)
-void rf_quantize_q8_tiles(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain,
-                          float eps, int8_t* RF_RESTRICT xq, float* RF_RESTRICT xd) {
-    rf_quantize_q8<rf_q8_tiles_layout>(x, k, gain, eps, xq, xd);
-}
+// rf_quantize_q8_rows and rf_quantize_q8_tiles: kernel_variants.py QuantizeRowsKernel.
+#define RF_Q8_QUANTIZE_PARAMS                                                           \
+    const float *RF_RESTRICT x, int k, const float *RF_RESTRICT gain, float eps,        \
+        int8_t *RF_RESTRICT xq, float *RF_RESTRICT xd
+#define RF_Q8_QUANTIZE_ARGS x, k, gain, eps, xq, xd
 
 // ---------------------------------------------------------------------------------------
 // Weight formats: how one (row, block) is fetched and expanded to 32 int8 in mma order.
@@ -414,19 +408,12 @@ RF_DEVICE_INLINE void rf_gemm(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     }
 }
 
-RF_KERNEL_BOUNDS(RF_GEMM_THREADS)
-void rf_gemm_q4_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
-                  const int8_t* RF_RESTRICT xq, const float* RF_RESTRICT xd, int n_rows,
-                  int epilogue, const float* residual, float* out) {
-    rf_gemm<rf_gemm_fmt_q4_0>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out);
-}
-
-RF_KERNEL_BOUNDS(RF_GEMM_THREADS)
-void rf_gemm_q8_0(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF_RESTRICT w_d, int n, int k,
-                  const int8_t* RF_RESTRICT xq, const float* RF_RESTRICT xd, int n_rows,
-                  int epilogue, const float* residual, float* out) {
-    rf_gemm<rf_gemm_fmt_q8_0>(w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out);
-}
+// rf_gemm_q4_0 and rf_gemm_q8_0: kernel_variants.py GemmKernel.
+#define RF_GEMM_PARAMS                                                                    \
+    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
+        const int8_t *RF_RESTRICT xq, const float *RF_RESTRICT xd, int n_rows, int epilogue, \
+        const float *residual, float *out
+#define RF_GEMM_ARGS w_qs, w_d, n, k, xq, xd, n_rows, epilogue, residual, out
 
 // ---------------------------------------------------------------------------------------
 // Decode-batch matmul (MMV): out[t, :] = W x[t, :] for a few activation rows t (up to
@@ -727,10 +714,7 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
     }
 }
 
-#define RF_MMV_PARAMS                                                                     \
-    const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
-        const int8_t *RF_RESTRICT xq, const float *RF_RESTRICT xd, int n_rows, int epilogue, \
-        const float *residual, float *out
+#define RF_MMV_PARAMS RF_GEMM_PARAMS  // the GEMM's
 // The QKV projection with RoPE + KV-append (rf_rope.h) in place of the store.
 #define RF_MMV_ROPE_PARAMS                                                                \
     const uint8_t *RF_RESTRICT w_qs, const uint16_t *RF_RESTRICT w_d, int n, int k,      \
@@ -748,185 +732,5 @@ RF_DEVICE_INLINE void rf_mmv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* RF
                     head_dim, rope_dims, n_ctx, fp8})
 
 // rf_mmv_<fmt>_t<TW>_k<KS>_m<MS>[_swiglu|_rope|_rope_fp8] (block 32 * KS * MS) for up to
-// 8 * TW * MS rows (_rope_fp8: into an fp8 KV pool):
-// the shapes matmul.py picks from (MMV_SHAPES).
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 1, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 2, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_PLAIN, 4, 8, 2);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 1, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 2, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q4_0, RF_MMV_SWIGLU, 4, 8, 2);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1, 0);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1, 0);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1, 0);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1, 0);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2, 0);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1, 0);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1, 0);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2, 0);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1, 0);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_rope(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2, 0);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t1_k2_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 2, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t1_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q4_0_t2_k2_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 2, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t2_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t1_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 1, 8, 2, 1);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t4_k1_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 1, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q4_0_t4_k8_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t2_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 2, 8, 2, 1);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q4_0_t8_k1_m1_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 8, 1, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q4_0_t4_k8_m2_rope_fp8(RF_MMV_ROPE_PARAMS) {
-    RF_MMV_ROPE_CALL(rf_mmv_q4_0, 4, 8, 2, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t1_k2_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t2_k2_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t2_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 1, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t4_k1_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t4_k8_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t2_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 2, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t8_k1_m1(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t4_k8_m2(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_PLAIN, 4, 8, 2);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t1_k2_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t1_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 1);
-}
-RF_KERNEL_BOUNDS(64) void rf_mmv_q8_0_t2_k2_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 2, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t2_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t1_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 1, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t4_k1_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 1, 1);
-}
-RF_KERNEL_BOUNDS(256) void rf_mmv_q8_0_t4_k8_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 8, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t2_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 2, 8, 2);
-}
-RF_KERNEL_BOUNDS(32) void rf_mmv_q8_0_t8_k1_m1_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 8, 1, 1);
-}
-RF_KERNEL_BOUNDS(512) void rf_mmv_q8_0_t4_k8_m2_swiglu(RF_MMV_PARAMS) {
-    RF_MMV_CALL(rf_mmv_q8_0, RF_MMV_SWIGLU, 4, 8, 2);
-}
+// 8 * TW * MS rows (_rope_fp8: into an fp8 KV pool): kernel_variants.py MMV_KERNELS, appended
+// when the source is compiled.

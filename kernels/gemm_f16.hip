@@ -81,17 +81,11 @@ RF_DEVICE_INLINE void rf_dequant_f16(const uint8_t* RF_RESTRICT qs, const uint16
     ((rf_f16_u32x4*)(out + block * RF_QK))[p] = packed;
 }
 
-RF_KERNEL_BOUNDS(RF_F16_THREADS)
-void rf_dequant_f16_q4_0(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n,
-                         int k, uint16_t* RF_RESTRICT out) {
-    rf_dequant_f16<rf_dequant_q4_0>(qs, d, n, k, out);
-}
-
-RF_KERNEL_BOUNDS(RF_F16_THREADS)
-void rf_dequant_f16_q8_0(const uint8_t* RF_RESTRICT qs, const uint16_t* RF_RESTRICT d, int n,
-                         int k, uint16_t* RF_RESTRICT out) {
-    rf_dequant_f16<rf_dequant_q8_0>(qs, d, n, k, out);
-}
+// rf_dequant_f16_q4_0, rf_dequant_f16_q8_0: kernel_variants.py DequantF16Kernel.
+#define RF_DEQUANT_F16_PARAMS                                                              \
+    const uint8_t *RF_RESTRICT qs, const uint16_t *RF_RESTRICT d, int n, int k,            \
+        uint16_t *RF_RESTRICT out
+#define RF_DEQUANT_F16_ARGS qs, d, n, k, out
 
 RF_KERNEL_BOUNDS(RF_Q8_NORM_THREADS)
 void rf_rows_f16(const float* RF_RESTRICT x, int k, const float* RF_RESTRICT gain, float eps,

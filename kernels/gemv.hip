@@ -20,8 +20,8 @@
 //     each, 16-byte loads), so a warp covers four blocks per step and the reductions
 //     are three shuffles.
 // The weight loads of each warp's first chunk are issued before the prologue, so their
-// latency overlaps it. Measured on an H100, quantizing in every block cost the 8B
-// shape's GEMVs 2.4-9.7 us each (the most for the down projection's 14336 columns).
+// latency overlaps it. Quantizing in every block costs wide rows the most, hence the
+// row quantized once upstream from some width on (docs/performance.md).
 // The _bulk kernels (plain one-row GEMVs) take each warp's chunks through a ring of
 // `ring` slots in shared memory instead (rf_weight_ring: bulk copies, its first `ring`
 // chunks fetched before the wait), and copy each into registers as it is multiplied; the
@@ -34,8 +34,8 @@
 // canonical sum's stages l, l + 32, ... (RF_Q8_STAGE consecutive blocks each),
 // RF_GEMV_STAGES_PER_LANE of them per chunk, in two register sets: the one-row kernels
 // of 1 or 2 rows a warp load both before the wait and each set again with the chunk two
-// on once its products are taken (two chunks in flight: the 8B shape's O and down GEMVs
-// 1.81 -> 2.26 and 2.26 -> 2.66 TB/s on an H200); the others load the next chunk as
+// on once its products are taken (two chunks in flight: faster O and down GEMVs,
+// docs/performance.md); the others load the next chunk as
 // a step begins (one in flight). Each chunk's stage sums go through a
 // per-warp fold buffer in shared memory, from which lane v folds sum v (one per
 // weight row and activation row) in stage order. Warps walk the row groups with a
@@ -529,9 +529,9 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     // The register kernels' next chunk to load. TWO_AHEAD: two are in flight during the
     // wait and prologue (w_a, w_b), and each set is loaded again with the chunk two on as
     // soon as its products are taken; else one, the other set loaded as a step begins:
-    // kernels of 4 rows a warp (at 128 registers, the 8B shape's Q|K|V GEMV took 8.41 us
-    // instead of 7.49 with two), of several activation rows, and the _swiglu_q8 ones (two
-    // ahead took 154 registers, one block a multiprocessor).
+    // kernels of 4 rows a warp (two ahead took more registers and was slower), of several
+    // activation rows, and the _swiglu_q8 ones (two ahead took 154 registers, one block a
+    // multiprocessor; docs/performance.md).
     constexpr bool TWO_AHEAD = NO <= 2 && RCAP == 1 && !Q8OUT;
     rf_gemv_item ahead = item;
     auto load_ahead = [&](Chunk& w) {
@@ -562,8 +562,8 @@ RF_DEVICE_INLINE void rf_gemv(const uint8_t* RF_RESTRICT w_qs, const uint16_t* R
     // What lane v < NV's epilogue reads for its row group (RF_EPILOGUE_RESIDUAL: the
     // residual; RoPE: rf_rope_fetch's), loaded a group ahead (the first group's beside the
     // prologue's loads), so that no epilogue waits on a load. Not in the kernels of 4 rows
-    // a warp, which sit at the 128-register cap (the 8B shape's Q|K|V GEMV: decode lost
-    // 1.6% with it, README "Single-stream decode").
+    // a warp, which sit at the 128-register cap (the 8B shape's Q|K|V GEMV lost with it;
+    // docs/performance.md).
     constexpr bool AHEAD = NO <= 2;
     float res = 0.0f;
     rf_rope_at rope_at{};
@@ -783,56 +783,6 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_quantize_q8_gemv(const float* RF_RESTR
     }
 }
 
-// Q4_0, one activation row (decode).
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 1, false, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 2, false, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 4, false, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 1, true, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
-    RF_GEMV_SWIGLU_Q8_CALL(rf_q4_0_format, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 2, true, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
-    RF_GEMV_SWIGLU_Q8_CALL(rf_q4_0_format, 2);
-}
-// Q4_0, up to RF_GEMV_MAX_ROWS activation rows.
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 1, false, RF_GEMV_MAX_ROWS);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q4_0_format, 1, true, RF_GEMV_MAX_ROWS);
-}
-// Q4_0 with RoPE + KV-append: one activation row, or up to RF_GEMV_MAX_ROWS; _fp8 into an
-// fp8 pool (the pool's format is compile-time: a runtime switch spilled the 1B shape's
-// Q|K|V kernel).
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1, 0);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1, 0);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS, 0);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_rope_fp8(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, 1, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_rope_fp8(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 4, 1, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope_fp8(RF_GEMV_ROPE_PARAMS) {
-    RF_GEMV_ROPE_CALL(rf_q4_0_format, 2, RF_GEMV_MAX_ROWS, 1);
-}
 // Q4_0, the one-row gate|up GEMVs (with or without the down projection's q8 row) whose
 // blocks normalize and quantize their row together, a cluster at a time
 // (rf_quantize_row_cluster), with no rf_quantize_q8_gemv launch before them. Launched in
@@ -842,44 +792,6 @@ RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b8_n2_rope_fp8(RF_GEMV_ROPE_
     rf_gemv<format, no, true, 1, false, q8, false, true>(w_qs, w_d, n, k, x, n_rows, xq, gain, \
                                                          eps, release_early, epilogue,         \
                                                          residual, out, rf_rope_out{}, xq_out, 0)
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_cl(RF_GEMV_PARAMS) {
-    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 1, false, nullptr);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_cl(RF_GEMV_PARAMS) {
-    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 2, false, nullptr);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_swiglu_q8_cl(RF_GEMV_SWIGLU_Q8_PARAMS) {
-    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 1, true, xq_out);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_swiglu_q8_cl(RF_GEMV_SWIGLU_Q8_PARAMS) {
-    RF_GEMV_SWIGLU_CL_CALL(rf_q4_0_format, 2, true, xq_out);
-}
-// Q4_0, one activation row, the weights through rf_weight_ring.
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n1_bulk(RF_GEMV_BULK_PARAMS) {
-    RF_GEMV_BULK_CALL(rf_q4_0_format, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2_bulk(RF_GEMV_BULK_PARAMS) {
-    RF_GEMV_BULK_CALL(rf_q4_0_format, 2);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n4_bulk(RF_GEMV_BULK_PARAMS) {
-    RF_GEMV_BULK_CALL(rf_q4_0_format, 4);
-}
-// Q8_0.
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q8_0_format, 1, false, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n2(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q8_0_format, 2, false, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1_swiglu(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q8_0_format, 1, true, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b1_n1_swiglu_q8(RF_GEMV_SWIGLU_Q8_PARAMS) {
-    RF_GEMV_SWIGLU_Q8_CALL(rf_q8_0_format, 1);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b8_n1(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q8_0_format, 1, false, RF_GEMV_MAX_ROWS);
-}
-RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q8_0_b8_n1_swiglu(RF_GEMV_PARAMS) {
-    RF_GEMV_CALL(rf_q8_0_format, 1, true, RF_GEMV_MAX_ROWS);
-}
+
+// The kernels (rf_gemv_<fmt>_b<rows>_n<NO>...): kernel_variants.py GEMV_KERNELS, appended
+// when the source is compiled.

@@ -46,9 +46,4 @@ RF_DEVICE_INLINE void rf_rope_kv(RF_ROPE_KV_PARAMS) {
 #define RF_ROPE_KV_ARGS                                                                    \
     qkv, q_out, k_cache, v_cache, positions, slots, cos_table, sin_table, n_head, n_kv, dk, \
         dv, rope_dims, n_ctx
-RF_KERNEL_BOUNDS(RF_ROPE_THREADS) void rf_rope_kv_append(RF_ROPE_KV_PARAMS) {
-    rf_rope_kv<false>(RF_ROPE_KV_ARGS);
-}
-RF_KERNEL_BOUNDS(RF_ROPE_THREADS) void rf_rope_kv_append_fp8(RF_ROPE_KV_PARAMS) {
-    rf_rope_kv<true>(RF_ROPE_KV_ARGS);
-}
+// rf_rope_kv_append[_fp8]: kernel_variants.py RopeKvKernel.

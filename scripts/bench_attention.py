@@ -8,10 +8,11 @@ own), the caches filled with random fp16. Launches are replayed as one graph, ea
 overlapping its predecessor's tail as in a decode step, rotating over enough layers'
 caches that a replay reads more than --l2-mib x 4 (the caches come from memory, not L2).
 --attention-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) times the same cases once more
-per setting of the backend's Attention attributes (e.g. decode_wave=0: one tile a block),
-each setting in turn every round; figures are medians over --rounds. Every setting's
-output must equal the first's bit for bit, and the first's the CPU backend's attention
-within --tolerance (max |error| / max |output|), else the script fails. JSON to --out.
+per setting of the backend's AttentionTuning (e.g. decode_wave=0: one tile a block), on a
+backend built with it, each setting in turn every round; figures are medians over --rounds.
+Every setting's output must equal the first's bit for bit, and the first's the CPU
+backend's attention within --tolerance (max |error| / max |output|), else the script
+fails. JSON to --out.
 
     python3 scripts/bench_attention.py --shape llama-1b --depths 512,4096 --rows 1,8,32 \\
         --attention-lever decode_wave=0 --out bench-results/attention.json
@@ -28,10 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from bench_harness import Levers, lever_options, lever_settings, positive_ints
 
-from rocforge_rt.backends import create_backend
+from rocforge_rt.backends import BackendOptions, create_backend
 from rocforge_rt.backends.gpu.graph import replay_us_per_launch
-from rocforge_rt.engine.workloads import lever_settings, positive_ints, set_levers
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.model.synthetic import SHAPES
 from rocforge_rt.step.batch import StepBatch
@@ -56,50 +57,47 @@ def read_bytes(hp: HParams, rows: int, depth: int) -> int:
 
 
 def run_case(args: argparse.Namespace, depth: int, rows: int, rng: np.random.Generator) -> dict:
-    """One (depth, rows) case on a backend of its own: each lever setting timed in turn."""
+    """One (depth, rows) case on a backend of its own for each lever setting (the first with
+    none), the same caches and queries in each, timed in turn."""
     one = shape_hparams(args.shape, 1)
     copies = min(args.max_layers, math.ceil(4 * (args.l2_mib << 20) / read_bytes(one, rows, depth)))
     hp = replace(one, n_layer=copies)
     n_ctx = depth + 1
-    gpu = create_backend("cuda", hp, n_slots=rows, n_ctx=n_ctx, max_tokens=max(rows, 8),
-                         mode="deferred")  # fmt: skip
+    shape = (rows, n_ctx, hp.n_head_kv, hp.head_dim_k)
+    keys = rng.standard_normal(shape).astype(np.float16)
+    values = rng.standard_normal(shape).astype(np.float16)
+    queries = rng.standard_normal((rows, hp.q_dim)).astype(np.float32)
+    batch = StepBatch.decode([0] * rows, [depth - 1] * rows, list(range(rows)))
+    settings: list[Levers] = [(), *args.attention_lever]
+    backends = []
     try:
-        gpu.launcher.overlap_step = gpu.driver.supports_overlap  # as in a decode step
-        shape = (rows, n_ctx, hp.n_head_kv, hp.head_dim_k)
-        keys = rng.standard_normal(shape).astype(np.float16)
-        values = rng.standard_normal(shape).astype(np.float16)
-        for layer in range(copies):
-            gpu.driver.copy_htod(gpu.workspace.k_cache[layer], keys)
-            gpu.driver.copy_htod(gpu.workspace.v_cache[layer], values)
-        batch = StepBatch.decode([0] * rows, [depth - 1] * rows, list(range(rows)))
-        gpu.write_step_state(batch)
-        queries = rng.standard_normal((rows, hp.q_dim)).astype(np.float32)
-        q = gpu.load_activation(queries)
-        defaults = {attr: getattr(gpu.attention, attr, None) for lever in args.attention_lever
-                    for attr, _ in lever}  # fmt: skip
-        for setting in args.attention_lever:  # each names a numeric attribute of the Attention
-            try:
-                set_levers(gpu, "attention", setting)
-            except ValueError as exc:
-                raise SystemExit(f"error: {exc}") from None
-        settings = [()] + args.attention_lever
+        for setting in settings:
+            options = BackendOptions(max_tokens=max(rows, 8), mode="deferred",
+                                     **lever_options("attention", setting))  # fmt: skip
+            gpu = create_backend("cuda", hp, n_slots=rows, n_ctx=n_ctx, options=options)
+            backends.append(gpu)
+            gpu.launcher.overlap_step = gpu.driver.supports_overlap  # as in a decode step
+            for layer in range(copies):
+                gpu.driver.copy_htod(gpu.workspace.k_cache[layer], keys)
+                gpu.driver.copy_htod(gpu.workspace.v_cache[layer], values)
+            gpu.write_step_state(batch)
+        inputs = [gpu.load_activation(queries) for gpu in backends]
         times: dict[int, list[float]] = {i: [] for i in range(len(settings))}
         outputs = []
         for round_ in range(args.rounds):
-            for i, setting in enumerate(settings):
-                for attr, value in defaults.items():
-                    setattr(gpu.attention, attr, value)
-                set_levers(gpu, "attention", setting)
+            for i, (gpu, q) in enumerate(zip(backends, inputs, strict=True)):
                 out = gpu.attention(q, 0, batch)
                 if round_ == 0:
                     outputs.append(gpu.to_host(out).copy())
                 times[i].append(replay_us_per_launch(
-                    gpu.driver, gpu.stream, lambda j: gpu.attention(q, j, batch), copies, args.reps
+                    gpu.driver, gpu.stream,
+                    lambda j, gpu=gpu, q=q: gpu.attention(q, j, batch), copies, args.reps,
                 ))  # fmt: skip
         error = cpu_error(hp, keys, values, queries, batch, outputs[0])
-        device = gpu.driver.info.name
+        device = backends[0].driver.info.name
     finally:
-        gpu.driver.close()  # every buffer of this case's backend
+        for gpu in backends:
+            gpu.driver.close()  # every buffer of that backend
     moved = read_bytes(hp, rows, depth)
     result = {"device": device, "depth": depth, "rows": rows, "layers_rotated": copies,
               "read_bytes": moved, "rel_error_vs_cpu": error, "settings": []}  # fmt: skip
@@ -133,13 +131,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10, help="graph replays a round")
     parser.add_argument(
         "--attention-lever", action="append", type=lever_settings, default=[],
-        metavar="ATTR=VALUE", help="also time each case with the Attention's ATTR at VALUE",
+        metavar="ATTR=VALUE", help="also time each case with the AttentionTuning's ATTR at VALUE",
     )  # fmt: skip
     parser.add_argument("--l2-mib", type=int, default=64, help="the L2 cache a replay overflows")
     parser.add_argument("--max-layers", type=int, default=256, help="cache copies at most")
     parser.add_argument("--tolerance", type=float, default=2e-3)
     parser.add_argument("--out", type=Path, default=Path("bench-results/attention.json"))
     args = parser.parse_args()
+    for setting in args.attention_lever:
+        try:
+            lever_options("attention", setting)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     rng = np.random.default_rng(0)
     results, failures = [], []

@@ -277,10 +277,10 @@ def main() -> int:
     import inspect
 
     import numpy as np
+    from bench_harness import decode_tokens_per_s, prompt_tokens_per_s
 
     from rocforge_rt.backends.cpu import CpuBackend
     from rocforge_rt.engine.engine import Engine
-    from rocforge_rt.engine.workloads import decode_tokens_per_s, prompt_tokens_per_s
 
     n_ctx = max(args.n_prompt, 1 + args.n_decode) + 8
     report: dict[str, Any] = {

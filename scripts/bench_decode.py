@@ -15,10 +15,10 @@ or none with --backend cpu), in turn. Figures are medians over all runs (llama-b
 over its rounds' averages), and the ratios are printed. Results go to --out as JSON.
 --kernels NAME=DIR (repeatable) loads each engine once more per kernel source tree (an
 A/B of kernel changes in one run, the trees' engines timed in turn each round);
---matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of numeric
-attributes of the GPU backend's Matmul (a launch heuristic's A/B, e.g.
+--matmul-lever ATTR=VALUE[,ATTR=VALUE...] (repeatable) one more per such setting of the GPU
+backend's MatmulTuning, loaded with it (a launch heuristic's A/B, e.g.
 gemv_max_blocks_per_sm=4; two at once: quantize_swiglu=0,gemv_early_release_blocks_per_sm=1);
---attention-lever likewise for its Attention (e.g. quantize_out=0); --kv-cache-dtype
+--attention-lever likewise of its AttentionTuning (e.g. quantize_out=0); --kv-cache-dtype
 (repeatable) one engine per KV pool format (default f16; fp8: llama-bench's nearest is
 --llamacpp-args='-ctk q8_0 -ctv q8_0').
 """
@@ -35,19 +35,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from rocforge_rt.backends import resolve_backend_name
-from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import (
+from bench_harness import (
     BENCH_SAMPLING,
+    Levers,
     LlamaBenchError,
     LlamaBenchRun,
     decode_tokens_per_s,
+    lever_label,
+    lever_options,
     lever_settings,
     llama_bench,
     prompt_tokens_per_s,
-    set_levers,
 )
+
+from rocforge_rt.backends import resolve_backend_name
+from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.kv_format import KV_DTYPES
 
 MODES = ("per-kernel-sync", "deferred", "graph")
@@ -57,7 +59,7 @@ def decode_step_stats(engine: Engine, n_decode: int, rng: np.random.Generator, d
     """Launches, kernels and syncs per decode step at `depth` from the backend's counters
     (GPU backends)."""
     backend = engine.backend
-    if not hasattr(backend, "runtime_stats"):
+    if backend.runtime_stats() is None:  # the CPU: no launches to count
         return {}
     backend.reset_runtime_stats()
     decode_tokens_per_s(engine, n_decode, rng, depth=depth)
@@ -98,11 +100,13 @@ class ModeBench:
         overlap: bool = True,
         lookahead: bool = True,
         kernels: tuple[str, str] | None = None,
-        lever: tuple[str, tuple[tuple[str, float], ...]] = ("matmul", ()),
+        lever: tuple[str, Levers] = ("matmul", ()),
         kv_dtype: str = "f16",
     ) -> None:
         options = {"mode": mode, "overlap": overlap, "lookahead": lookahead} if mode else {}
         options["kv_dtype"] = kv_dtype
+        part, settings = lever
+        options |= lever_options(part, settings)  # checked in main
         n_ctx = max(args.n_prompt, *args.depth) + args.n_decode + 8
         self.args = args
         self.mode = mode
@@ -113,11 +117,7 @@ class ModeBench:
             self.label += f" [{kernels[0]}]"
         if kv_dtype != "f16":
             self.label += f" [kv {kv_dtype}]"
-        part, settings = lever
-        try:
-            self.label += set_levers(self.engine.backend, part, settings)
-        except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        self.label += lever_label(settings)
         self.rng = np.random.default_rng(0)
         self.prompt_runs: list[float] = []
         self.decode_runs = {d: DecodeRuns() for d in args.depth}
@@ -279,11 +279,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument(
         "--matmul-lever", action="append", type=lever_settings, default=[], metavar="ATTR=VALUE",
-        help="also load each GPU engine with its Matmul's ATTR set to VALUE (a launch A/B)",
+        help="also load each GPU engine with its MatmulTuning's ATTR at VALUE (a launch A/B)",
     )  # fmt: skip
     parser.add_argument(
         "--attention-lever", action="append", type=lever_settings, default=[],
-        metavar="ATTR=VALUE", help="the same for the GPU backend's Attention",
+        metavar="ATTR=VALUE", help="the same for the GPU backend's AttentionTuning",
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-dtype", action="append", choices=KV_DTYPES,
@@ -293,14 +293,21 @@ def main() -> int:
     args = parser.parse_args()
 
     on_gpu = resolve_backend_name(args.backend) != "cpu"
+    levers = [("matmul", s) for s in args.matmul_lever]
+    levers += [("attention", s) for s in args.attention_lever]
+    if levers and not on_gpu:
+        parser.error("--matmul-lever and --attention-lever tune the GPU backends' kernels;"
+                     " the cpu backend has none")  # fmt: skip
+    for part, settings in levers:
+        try:
+            lever_options(part, settings)
+        except ValueError as exc:
+            parser.error(str(exc))
     benches = []
     for mode in (args.mode or list(MODES)) if on_gpu else [None]:
         benches += [ModeBench(args, mode, kv_dtype=d) for d in args.kv_cache_dtype or ["f16"]]
         benches += [ModeBench(args, mode, kernels=variant) for variant in args.kernels]
-        benches += [ModeBench(args, mode, lever=("matmul", lever)) for lever in args.matmul_lever]
-        benches += [
-            ModeBench(args, mode, lever=("attention", lever)) for lever in args.attention_lever
-        ]
+        benches += [ModeBench(args, mode, lever=lever) for lever in levers]
         if mode and args.overlap_ab:
             benches.append(ModeBench(args, mode, overlap=False))
         if mode == "graph" and args.pipelined_ab:

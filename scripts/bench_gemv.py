@@ -27,6 +27,7 @@ Every variant's output is checked against a numpy reference on sampled rows
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -38,9 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_harness import lever_label, lever_settings, tuned
 from gguf import GGMLQuantizationType as Q
 
-from rocforge_rt.backends.cpu import quantize_q8, rms_normalize
+from rocforge_rt.backends.cpu_arithmetic import quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
 from rocforge_rt.backends.gpu.graph import replay_us_per_launch
@@ -52,17 +54,15 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     GEMV_THREADS,
 )
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
+from rocforge_rt.backends.gpu.kernel_variants import GEMV_KERNELS, GemvKernel, gemv_rows_per_warp
 from rocforge_rt.backends.gpu.launch import LaunchHandle
-from rocforge_rt.backends.gpu.matmul import (
-    GEMV_MULTI_ROW_NO,
-    GEMV_ROWS_PER_WARP,
-    DeviceMatrix,
+from rocforge_rt.backends.gpu.matmul import DeviceMatrix, Matmul, repack_rows
+from rocforge_rt.backends.gpu.matmul_plan import (
+    MatmulTuning,
     gemv_shared_bytes,
-    gemv_sums,
-    repack_rows,
+    swiglu_blocks_spread,
 )
 from rocforge_rt.backends.gpu.workspace import Activation
-from rocforge_rt.engine.workloads import lever_settings, set_levers
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.model.synthetic import random_blocks
@@ -132,9 +132,12 @@ def row_quantized_by_writer(shape: Shape, backend: GpuBackend) -> bool:
     attention kernel, the down projection's by the gate|up GEMV where that one's 32-blocks
     of outputs spread evenly over the multiprocessors (Matmul.gemv)."""
     if shape.row_from == "attention":
-        return backend.attention.quantize_out
+        return backend.attention.tuning.quantize_out
     if shape.row_from == "swiglu":
-        return backend.matmul.quantize_swiglu and backend.matmul.swiglu_blocks_spread(shape.k)
+        matmul = backend.matmul
+        return matmul.tuning.quantize_swiglu and swiglu_blocks_spread(
+            shape.k, matmul.caps, matmul.tuning
+        )
     return False
 
 
@@ -188,7 +191,6 @@ class Bench:
 def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.Generator) -> list:
     driver, backend = bench.driver, bench.backend
     info = driver.info
-    warps = GEMV_THREADS // info.warp_size
     sms = info.multiprocessors
     tensor = WeightTensor(
         "w", shape.qtype, (shape.weight_rows, shape.k),
@@ -267,46 +269,40 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
         quantize.launch()
     x_act = Activation(x_buf, rows, shape.k, q8=xq_buf.ptr if written_q8 else 0)
 
-    def auto(i: int) -> None:
-        backend.matmul.gemv(
-            matrices[i], x_act, shape.n, out_buf.ptr,
-            gain=gain_buf if shape.gain else None, epilogue=shape.epilogue, residual_ptr=res_ptr,
-        )  # fmt: skip
+    def record_auto(matmul: Matmul) -> LaunchHandle:
+        """Time `auto` on `matmul` (the backend's, or one of another ring budget)."""
 
-    matmul = backend.matmul
+        def auto(i: int) -> None:
+            matmul.gemv(
+                matrices[i], x_act, shape.n, out_buf.ptr, gain=gain_buf if shape.gain else None,
+                epilogue=shape.epilogue, residual_ptr=res_ptr,
+            )  # fmt: skip
 
-    def record_auto(budget: int) -> LaunchHandle:
-        """Time `auto` with `budget` bytes of a block's weight rings (0: through registers)."""
-        default, matmul.gemv_bulk_shared = matmul.gemv_bulk_shared, budget
-        try:
-            launch = backend.launcher.record(lambda: auto(0))[-1]  # after any quantize launch
-            label = f"auto {launch.name.removeprefix('rf_gemv_')}"
-            if launch.name.endswith("_bulk"):
-                label += f" ring {budget >> 10}K"
-            record(label + (" (q8 row)" if written_q8 else ""), auto, launch.grid[0])
-            return launch
-        finally:
-            matmul.gemv_bulk_shared = default
+        launch = backend.launcher.record(lambda: auto(0))[-1]  # after any quantize launch
+        label = f"auto {launch.name.removeprefix('rf_gemv_')}"
+        if launch.name.endswith("_bulk"):
+            label += f" ring {matmul.tuning.gemv_bulk_shared >> 10}K"
+        record(label + (" (q8 row)" if written_q8 else ""), auto, launch.grid[0])
+        return launch
 
-    chosen = record_auto(matmul.gemv_bulk_shared)
+    chosen = record_auto(backend.matmul)
     if chosen.name.endswith("_bulk"):  # and with each budget of --bulk-shared
         for budget in bench.bulk_budgets:
-            if budget != matmul.gemv_bulk_shared:
-                record_auto(budget)
+            if budget != backend.matmul.tuning.gemv_bulk_shared:
+                retuned = dataclasses.replace(backend.matmul.tuning, gemv_bulk_shared=budget)
+                record_auto(backend.matmul.retuned(retuned))
     # One activation row may be quantized once (by rf_quantize_q8_gemv, timed with the
     # GEMV) and copied by the GEMV's blocks ("pre"), or by each block itself.
     prologues = [("", 0)] + ([("pre ", xq_buf.ptr)] if rows == 1 else [])
-    suffix = "_swiglu" if shape.epilogue == EPILOGUE_SWIGLU else ""
-    if rows == 1:
-        variants = [(no, f"rf_gemv_{fmt}_b1_n{no}{suffix}", gemv_sums(no, suffix, 1))
-                    for no in GEMV_ROWS_PER_WARP[(fmt, suffix)]]  # fmt: skip
-    else:
-        no = GEMV_MULTI_ROW_NO[suffix]
-        variants = [(no, f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{no}{suffix}",
-                     gemv_sums(no, suffix, GEMV_MAX_ROWS))]  # fmt: skip
-    for no, kernel, sums in variants if bench.sweep else ():
-        shared = gemv_shared_bytes(shape.k, rows, info.warp_size, sums)
-        blocks = math.ceil(math.ceil(shape.n / no) / warps)
+    epilogue = "swiglu" if shape.epilogue == EPILOGUE_SWIGLU else ""
+    row_cap = 1 if rows == 1 else GEMV_MAX_ROWS
+    variants = [GemvKernel(fmt, row_cap, no, epilogue)
+                for no in gemv_rows_per_warp(fmt, epilogue, row_cap)]  # fmt: skip
+    assert set(variants) <= set(GEMV_KERNELS)
+    for variant in variants if bench.sweep else ():
+        no, kernel = variant.no, variant.name
+        shared = gemv_shared_bytes(shape.k, rows, info.warp_size, variant.sums)
+        blocks = variant.blocks(shape.n, info.warp_size)
         grids = sorted({min(blocks, c * sms) for c in (1, 2, 4, 8)} | {blocks})
         for grid in grids:
             for label, xq in prologues:
@@ -332,7 +328,9 @@ def run_shape(bench: Bench, shape: Shape, rows: int, reps: int, rng: np.random.G
     if bench.baseline is not None and chosen.name in bench.baseline:
         # the older source's kernel of the same name and launch
         prequant = (
-            rows == 1 and shape.k >= backend.matmul.gemv_prequant_min_k and chosen.cluster == 1
+            rows == 1
+            and shape.k >= backend.matmul.tuning.gemv_prequant_min_k
+            and chosen.cluster == 1
         )
         auto_xq = xq_buf.ptr if written_q8 or prequant else 0
         # the chosen launch's arguments past the plain GEMV's (a _bulk kernel's ring)
@@ -381,8 +379,8 @@ def main() -> int:
     parser.add_argument("--auto-only", action="store_true", help="time `auto` alone, no sweep")
     parser.add_argument(
         "--matmul-lever", type=lever_settings, default=(), metavar="ATTR=VALUE[,ATTR=VALUE...]",
-        help="set these numeric attributes of the backend's Matmul (its launch heuristics and "
-        "levers, e.g. gemv_max_blocks_per_sm=1) before timing `auto`",
+        help="build the backend with these fields of its MatmulTuning (its launch heuristics "
+        "and levers, e.g. gemv_max_blocks_per_sm=1) for timing `auto`",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/gemv.json"))
     args = parser.parse_args()
@@ -394,13 +392,15 @@ def main() -> int:
         head_dim_k=128, head_dim_v=128, n_vocab=1024, n_ctx_train=64, rope_base=1e4,
         rope_dims=128, rms_eps=EPS, tied_embeddings=False,
     )  # fmt: skip
-    backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8, mode="deferred")
+    try:
+        tuning = tuned(MatmulTuning(), args.matmul_lever)
+    except ValueError as exc:
+        parser.error(str(exc))
+    levers = lever_label(args.matmul_lever)
+    backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8,
+                         mode="deferred", matmul_tuning=tuning)  # fmt: skip
     # Launches overlap their predecessors' tails, as in a decode step (where supported).
     backend.launcher.overlap_step = driver.supports_overlap
-    try:
-        levers = set_levers(backend, "matmul", args.matmul_lever)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
     Bench.compiler = compiler
     bench = Bench(driver, backend, args.baseline)
     bench.bulk_budgets = [int(kib) << 10 for kib in args.bulk_shared.split(",")]

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_harness import positive_ints
 from bench_serve import StreamFailed, drive_streams, summarize
 from bench_ttft import against_daemon, token_prompt, write_report
 
 from rocforge_client import ClientError, connect
-from rocforge_rt.engine.workloads import positive_ints
-from rocforge_rt.server.cli_commands import free_loopback_port
+from rocforge_rt.cli.local_daemon import free_loopback_port
 from rocforge_rt.server.config import ServerError
 
 PATHS = ("zeromq", "http")

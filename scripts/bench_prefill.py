@@ -2,7 +2,7 @@
 """Prompt (prefill) time to first token against prompt length, beside llama.cpp's llama-bench.
 
 For each model and each of --lengths L: the prefill of L random token ids in the engine's
-chunks, up to and including the first sampled token (workloads.prompt_tokens_per_s,
+chunks, up to and including the first sampled token (bench_harness.prompt_tokens_per_s,
 llama-bench's pp), as TTFT ms and tokens/s, each the median of --repeats runs after a
 warm-up at L. With --llamacpp PATH-TO-llama-bench, llama-bench (-p L -n 0 -fa 1) runs on
 the same GGUF in the same run, interleaved: each round times ours at L, then one
@@ -13,9 +13,10 @@ whose median is the round's figure: on an H100 a single repetition in a fresh pr
 our tokens/s / llama.cpp's (its pp times the prompt's forward passes; ours also samples the
 first token). On a GPU, also one prefill at each L broken into forward ops timed with
 device events (an op's time includes any gap while the host was still launching it), and
-with --baseline the decode GEMV path (GpuBackend.use_prefill_gemm = False) and with
---invariant-ab the batch-invariant int8 GEMM (GpuBackend.batch_invariant = True), each an
-A/B in one process.
+with --baseline the decode GEMV path (an engine loaded with MatmulTuning.use_prefill_gemm
+False) and with --invariant-ab the batch-invariant int8 GEMM (an engine loaded with
+batch_invariant=True), each an A/B in one process: a second engine of the same model, timed
+beside the first.
 
 Results go to --out as JSON, a plot of TTFT against prompt length beside it (same stem,
 .png; needs matplotlib) and a table to stderr. A length the model's context cannot hold
@@ -35,18 +36,21 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
-from rocforge_rt.engine.workloads import (
+from bench_harness import (
     LlamaBenchError,
     llama_bench,
     positive_ints,
     prompt_tokens_per_s,
 )
+
+from rocforge_rt.backends.gpu.backend import GpuBackend
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
+from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
 TIMED_OPS = ("embed", *GEMM_OPS, "attention", "lm_head")
@@ -135,25 +139,33 @@ def llama_bench_round(
     return (ns / 1e6, n_prompt * 1e9 / ns), run
 
 
+@dataclass(frozen=True)
+class AbEngines:
+    """The engines of the same model an A/B times beside the default one (GPU backends);
+    None where not asked for."""
+
+    invariant: Engine | None = None  # --invariant-ab: batch invariant (the int8 GEMM)
+    gemv_path: Engine | None = None  # --baseline: prompt chunks on the GEMV path
+
+
 def bench_length(
-    engine: Engine, path: str, n_prompt: int, args: argparse.Namespace, peer: dict[str, Any]
-) -> dict[str, Any]:
-    """Ours at n_prompt, then llama-bench at n_prompt, --repeats times; on a GPU the ops."""
+    engine: Engine, path: str, n_prompt: int, args: argparse.Namespace, peer: dict[str, Any],
+    ab: AbEngines,
+) -> dict[str, Any]:  # fmt: skip
+    """Ours at n_prompt (and each A/B engine's), then llama-bench at n_prompt, --repeats
+    times; on a GPU the ops."""
     rng = np.random.default_rng(n_prompt)
-    prompt_tokens_per_s(engine, n_prompt, rng)  # warm-up: compile, first touches, handles
+    for warmed in (engine, ab.invariant):  # warm-up: compile, first touches, handles
+        if warmed is not None:
+            prompt_tokens_per_s(warmed, n_prompt, rng)
     ours: list[float] = []
     invariant: list[float] = []  # --invariant-ab: the same prompts, batch invariant
     theirs: list[tuple[float, float]] = []
     point: dict[str, Any] = {"length": n_prompt}
-    invariant_ab = args.invariant_ab and not engine.backend.device_info()["batch_invariant"]
     for _ in range(args.repeats):
         ours.append(prompt_tokens_per_s(engine, n_prompt, rng))
-        if invariant_ab:
-            engine.backend.batch_invariant = True
-            try:
-                invariant.append(prompt_tokens_per_s(engine, n_prompt, rng))
-            finally:
-                engine.backend.batch_invariant = False
+        if ab.invariant is not None:
+            invariant.append(prompt_tokens_per_s(ab.invariant, n_prompt, rng))
         if args.llamacpp:
             sample, run = llama_bench_round(path, n_prompt, args, peer["n_gpu_layers"])
             theirs.append(sample)
@@ -174,7 +186,7 @@ def bench_length(
             f" | llama.cpp {point['llamacpp']['tokens_per_s']:10.1f} tok/s"
             f" TTFT {point['llamacpp']['ttft_ms']:9.2f} ms | x{ratio_text(point['ratio'])}"
         )
-    if hasattr(engine.backend, "driver"):
+    if isinstance(engine.backend, GpuBackend):
         ops = breakdown(engine, n_prompt, rng)
         point["breakdown_ms"] = ops
         gemm_ms = ops["gemm_total"] or float("nan")
@@ -183,21 +195,33 @@ def bench_length(
             f" | gemm {ops['gemm_total']:7.2f} ms ({point['gemm_tflops']:.0f} TOPS)"
             f" attention {ops.get('attention', 0.0):6.2f} ms lm_head {ops.get('lm_head', 0.0):5.2f}"
         )
-    if args.baseline and hasattr(engine.backend, "use_prefill_gemm"):
-        engine.backend.use_prefill_gemm = False
-        try:
-            base = [prompt_tokens_per_s(engine, n_prompt, rng) for _ in range(args.repeats)]
-        finally:
-            engine.backend.use_prefill_gemm = True
+    if ab.gemv_path is not None:
+        prompt_tokens_per_s(ab.gemv_path, n_prompt, rng)  # warm-up
+        base = [prompt_tokens_per_s(ab.gemv_path, n_prompt, rng) for _ in range(args.repeats)]
         point["gemv_path_tokens_per_s"] = statistics.median(base)
         line += f" | GEMV path {point['gemv_path_tokens_per_s']:8.1f} tok/s"
     print(line, file=sys.stderr, flush=True)
     return point
 
 
+def load(path: str, args: argparse.Namespace, **options: Any) -> Engine:
+    """The model on --backend with room for the longest prompt, loaded with `options`."""
+    return Engine.load(path, backend=args.backend, n_ctx=max(args.lengths) + 16,
+                       prefill_chunk=args.prefill_chunk, **options)  # fmt: skip
+
+
 def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    engine = Engine.load(path, backend=args.backend, n_ctx=max(args.lengths) + 16,
-                         prefill_chunk=args.prefill_chunk)  # fmt: skip
+    engine = load(path, args)
+    ab = AbEngines()
+    if isinstance(engine.backend, GpuBackend):
+        ab = AbEngines(
+            invariant=load(path, args, batch_invariant=True)
+            if args.invariant_ab and not engine.backend.batch_invariant
+            else None,
+            gemv_path=load(path, args, matmul_tuning=MatmulTuning(use_prefill_gemm=False))
+            if args.baseline
+            else None,
+        )
     skipped = [n for n in args.lengths if n >= engine.n_ctx]  # a turn leaves room for one more
     if skipped:
         print(f"warning: {Path(path).name}: context {engine.n_ctx} cannot hold a prompt of"
@@ -214,7 +238,7 @@ def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
         peer = {"binary": args.llamacpp, "n_gpu_layers": 0 if engine.backend.name == "cpu" else 99}
         result["llamacpp"] = peer
     result["points"] = [
-        bench_length(engine, path, n, args, peer) for n in args.lengths if n not in skipped
+        bench_length(engine, path, n, args, peer, ab) for n in args.lengths if n not in skipped
     ]
     return result
 

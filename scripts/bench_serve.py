@@ -70,12 +70,13 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from bench_harness import LlamaBenchError, llama_batched_bench, positive_ints
 from bench_ttft import against_daemon, daemon_view, token_prompt, write_report
 
 from rocforge_client import Client, ClientError, TokenReply, connect, raise_for_error
-from rocforge_rt.engine.engine import Engine, pack_step
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.scheduling import pack_step
 from rocforge_rt.engine.session import Session
-from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench, positive_ints
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import ServerError
 
@@ -246,8 +247,7 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
         session = engine.open_session(prompt, max_tokens=args.max_tokens)
         sessions.append(session)
         times[id(session)] = []
-    if hasattr(backend, "reset_runtime_stats"):
-        backend.reset_runtime_stats()
+    backend.reset_runtime_stats()
     backend.run_step, backend.take_ahead = timed(backend.run_step), timed(backend.take_ahead)
     decode_steps, decode_step_ns, decode_backend_ns = 0, 0, 0
     try:
@@ -270,7 +270,7 @@ def engine_round(engine: Engine, args: argparse.Namespace, streams: int, seed: i
                     times[id(s)].append(now)
     finally:
         del backend.run_step, backend.take_ahead  # this instance's: the class's again
-    stats = backend.runtime_stats() if hasattr(backend, "runtime_stats") else {}
+    stats = backend.runtime_stats() or {}  # the CPU counts no launches
     results = []
     for s in sessions:
         engine.close_session(s)

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from rocforge_client import Client, connect
+from rocforge_rt.cli.local_daemon import LocalDaemon
 from rocforge_rt.profiling.latency import distribution
-from rocforge_rt.server.cli_commands import LocalDaemon
 
 # fmt: off
 WORDS = (

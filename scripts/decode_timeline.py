@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_harness import BENCH_SAMPLING, decode_tokens_per_s
 
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import BENCH_SAMPLING, decode_tokens_per_s
 from rocforge_rt.step.kv_format import KV_DTYPES
 from rocforge_rt.step.sampling import SamplingParams
 
@@ -131,7 +131,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps profiled")
     parser.add_argument(
         "--sampled", action="store_true",
-        help="draw each token (the benchmarks' sampled decode: workloads.BENCH_SAMPLING) "
+        help="draw each token (the benchmarks' sampled decode: bench_harness.BENCH_SAMPLING) "
         "instead of greedy decode",
     )  # fmt: skip
     parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16")

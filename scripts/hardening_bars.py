@@ -114,7 +114,7 @@ PHASES = ("alone", "control", "flood")  # flood: a round's phases, in turn
 
 
 def free_port() -> int:
-    from rocforge_rt.server.cli_commands import free_loopback_port  # ~1 s to import
+    from rocforge_rt.cli.local_daemon import free_loopback_port  # ~1 s to import
 
     return free_loopback_port()
 
@@ -328,7 +328,7 @@ def serving(
         if http:
             model_id = wait_http_ready(serve, args.ready_timeout)
         else:
-            from rocforge_rt.server.cli_commands import wait_until_ready  # ~1 s to import
+            from rocforge_rt.cli.local_daemon import wait_until_ready  # ~1 s to import
 
             wait_until_ready(serve.addr, serve.process, args.ready_timeout)
             model_id = None

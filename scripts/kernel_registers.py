@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rocforge_rt.backends.gpu.cuda import NvrtcCompiler
-from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernel_source
 
 PTXAS_VERBOSE = "--ptxas-options=-v"
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
@@ -59,7 +59,7 @@ def source_resources(library: KernelLibrary, source: str) -> dict[str, KernelRes
     compiler = library.compiler
     if not isinstance(compiler, NvrtcCompiler):
         raise TypeError("register counts come from ptxas: an NVRTC compiler is needed")
-    text = (library.source_dir / source).read_text()
+    text = kernel_source(library.source_dir, source)  # with its generated kernels
     compiler.compile(
         text, source, library.headers(), library.defines(), extra_options=(PTXAS_VERBOSE,)
     )

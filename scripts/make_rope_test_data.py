@@ -36,7 +36,8 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from rocforge_rt.model.gguf_file import TensorOut, copy_metadata, open_gguf, write_gguf
+from rocforge_rt.model.gguf_file import open_gguf
+from rocforge_rt.model.gguf_writer import TensorOut, copy_metadata, write_gguf
 from rocforge_rt.model.synthetic import content_digest, write_synthetic_model
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_harness import decode_tokens_per_s
 
+from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.launch import set_arg_cache_enabled
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import decode_tokens_per_s
 
 MODES = ("per-kernel-sync", "deferred", "graph")
 
@@ -153,7 +154,7 @@ def main() -> int:
     report: dict[str, Any] = {"model": args.model, "n_decode": args.n_decode, "runs": []}
     for mode in args.mode or MODES:
         engine = Engine.load(args.model, backend=args.backend, n_ctx=args.n_decode + 64, mode=mode)
-        if not hasattr(engine.backend, "launch_tracker"):
+        if not isinstance(engine.backend, GpuBackend):
             print("overhead_report: needs a GPU backend (cuda or hip)", file=sys.stderr)
             return 2
         report["device"] = engine.backend.device_info()

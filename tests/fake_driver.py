@@ -18,7 +18,8 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rocforge_rt.backends.gpu.driver import DeviceInfo, Driver
+from rocforge_rt.backends.gpu.driver import Driver
+from rocforge_rt.backends.gpu.driver_types import DeviceInfo
 
 
 class FakeStatus(enum.IntEnum):

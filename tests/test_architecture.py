@@ -7,6 +7,7 @@ and the layers below it; every import statement counts, module level or inside a
 """
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -151,3 +152,140 @@ def test_pyproject_lists_every_package_folder() -> None:
     listed = set(pyproject["tool"]["setuptools"]["packages"])
     folders = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert folders <= listed, f"not in pyproject.toml's packages: {sorted(folders - listed)}"
+
+
+PROBES = ("getattr", "hasattr", "setattr")
+# The engine and the server reach a backend through its typed contract only (`Backend` and
+# `BackendCaps`, backends/contract.py). The attribute probes left are on objects that are no
+# backend and have no typed form: (module, the probed object's source text) -> the reason.
+PROBES_ALLOWED = {
+    ("rocforge_rt.server.command_line", "action"): "argparse's Action, our environment_variable",
+    ("rocforge_rt.server.http.app", "exc"): "any exception: status_code, detail where it has them",
+    ("rocforge_rt.server.logs", "record"): "a LogRecord: `fields` where the call passed extra=",
+}
+
+
+def attribute_probes(source: str) -> list[tuple[int, str]]:
+    """(line, the probed object's source text) of every getattr, hasattr and setattr call."""
+    return [
+        (node.lineno, ast.unparse(node.args[0]) if node.args else "")
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PROBES
+    ]
+
+
+def test_the_engine_and_the_server_probe_no_attributes() -> None:
+    """No getattr, hasattr or setattr in the engine or the server, but on the objects
+    PROBES_ALLOWED lists: a backend's members and capabilities are declared, not probed."""
+    probes = [
+        f"{name}:{line}: {what}"
+        for name, path in MODULES.items()
+        if layer(name) in ("engine", "server")
+        for line, what in attribute_probes(path.read_text())
+        if (name, what) not in PROBES_ALLOWED
+    ]
+    assert not probes, "attribute probes:\n" + "\n".join(probes)
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("getattr(backend, 'kv_dtype', 'f16')", [(1, "backend")]),
+        ("x = 1\nif hasattr(self.backend, 'warm_up'): pass", [(2, "self.backend")]),
+        ("setattr(engine.backend, 'mode', m)", [(1, "engine.backend")]),
+        ("backend.caps.kv_dtype", []),
+    ],
+)
+def test_the_probe_finder_finds_probes(source: str, found: list[tuple[int, str]]) -> None:
+    assert attribute_probes(source) == found
+
+
+# A kernel variant stub: a kernel definition (RF_KERNEL or RF_KERNEL_BOUNDS[_ONE](...), then
+# `void name(params) {body}`) whose body, comments dropped, is one statement calling a
+# template instantiation (`callee<...>(...);`) or a function-like macro (an upper-case name).
+# Such kernels are rows of rocforge_rt/backends/gpu/kernel_variants.py, generated at compile.
+_KERNEL_DEFINITION = re.compile(r"\bRF_KERNEL(?:_BOUNDS(?:_ONE)?\s*\([^)]*\))?\s+void\s+(\w+)\s*\(")
+_FORWARDING_BODY = re.compile(r"\s*(?:\w+\s*<[^;{}]*>|[A-Z][A-Z0-9_]*)\s*\([^;]*\)\s*;\s*")
+
+
+def _closing(code: str, start: int, pair: str) -> int:
+    """The index of the bracket that closes the one opened just before `start`."""
+    depth = 1
+    for i in range(start, len(code)):
+        depth += (code[i] == pair[0]) - (code[i] == pair[1])
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced {pair}")
+
+
+def variant_stubs(source: str) -> list[str]:
+    """The kernels of a kernel source defined as variant stubs (see above)."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    stubs = []
+    for match in _KERNEL_DEFINITION.finditer(code):
+        after = _closing(code, match.end(), "()") + 1
+        if not code[after:].lstrip().startswith("{"):
+            continue  # a declaration
+        open_brace = code.index("{", after) + 1
+        if _FORWARDING_BODY.fullmatch(code[open_brace : _closing(code, open_brace, "{}")]):
+            stubs.append(match[1])
+    return stubs
+
+
+def test_no_kernel_source_defines_a_variant_stub() -> None:
+    found = {
+        path.name: variant_stubs(path.read_text())
+        for path in sorted((ROOT / "kernels").glob("*.hip"))
+    }
+    assert not {name: stubs for name, stubs in found.items() if stubs}, (
+        "kernel variants belong in rocforge_rt/backends/gpu/kernel_variants.py"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("RF_KERNEL_BOUNDS(RF_GEMV_THREADS) void rf_gemv_q4_0_b1_n2(RF_GEMV_PARAMS) {\n"
+         "    RF_GEMV_CALL(rf_q4_0_format, 2, false, 1);\n}\n", ["rf_gemv_q4_0_b1_n2"]),
+        ("RF_KERNEL_BOUNDS(64)\nvoid rf_embed_q8_0(const uint8_t* t, int n) {\n"
+         "    rf_embed_rows<rf_q8_0_value>(t, n);  // the shared loop\n}\n", ["rf_embed_q8_0"]),
+        ("RF_KERNEL void rf_a(int n) { RF_ATTN_DECODE(32, false); }", ["rf_a"]),
+        ("RF_KERNEL void rf_b(int n) { rf_helper(n); }", []),  # a plain function, no variant
+        ("RF_KERNEL void rf_c(int n) { rf_pdl_begin(); rf_go<1>(n); }", []),
+        ("RF_KERNEL_BOUNDS(32) void rf_d(int n);", []),  # a declaration
+    ],
+)  # fmt: skip
+def test_the_stub_finder_finds_stubs(source: str, found: list[str]) -> None:
+    assert variant_stubs(source) == found
+
+
+MAX_MODULE_LINES = 500
+# Modules past MAX_MODULE_LINES on purpose: path -> why. A module listed here that is no
+# longer that long fails the test too, so the list stays true.
+LONG_MODULES = {
+    "scripts/hardening_bars.py": "issue 62's six bars as one runnable record: each scenario"
+    " beside its bar, sharing the serve and /proc helpers and one parser of their parameters",
+    "scripts/bench_serve.py": "one benchmark and its report: the daemon run, the engine-only"
+    " run, llama-batched-bench beside them, and the table and plot of their one JSON",
+}
+
+
+def test_no_module_is_over_500_lines_but_the_listed_ones() -> None:
+    """The package, the client and the scripts (not tests/, not kernels/)."""
+    sources = [
+        *(ROOT / PACKAGE).rglob("*.py"),
+        *(ROOT / "clients").rglob("*.py"),
+        *(ROOT / "scripts").glob("*.py"),
+    ]
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sources}
+    too_long = sorted(
+        f"{path}: {n} lines"
+        for path, n in lines.items()
+        if n > MAX_MODULE_LINES and path not in LONG_MODULES
+    )
+    assert not too_long, (
+        f"over {MAX_MODULE_LINES} lines (split by concern, or list in LONG_MODULES with why):\n"
+        + "\n".join(too_long)
+    )
+    short = sorted(path for path in LONG_MODULES if lines.get(path, 0) <= MAX_MODULE_LINES)
+    assert not short, f"LONG_MODULES lists modules no longer over {MAX_MODULE_LINES}: {short}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fake_executables import failing_tool, write_executable
-from script_modules import load_script
+from script_modules import import_script, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,8 +118,7 @@ def load_bench_cpu():
 def test_bench_cpu_alternates_ours_and_llamacpp_round_by_round_on_the_same_tokens(
     tiny_model, fake_peer, tmp_path, monkeypatch
 ):
-    import rocforge_rt.engine.workloads as workloads
-
+    bench_harness = import_script("bench_harness")
     bench = load_bench_cpu()
     order = []
 
@@ -138,8 +137,8 @@ def test_bench_cpu_alternates_ours_and_llamacpp_round_by_round_on_the_same_token
             order.append(("llama.cpp", message["op"], message["tokens"]))
         return real_request(self, **message)
 
-    monkeypatch.setattr(workloads, "decode_tokens_per_s", ours_decode)
-    monkeypatch.setattr(workloads, "prompt_tokens_per_s", ours_prompt)
+    monkeypatch.setattr(bench_harness, "decode_tokens_per_s", ours_decode)
+    monkeypatch.setattr(bench_harness, "prompt_tokens_per_s", ours_prompt)
     monkeypatch.setattr(bench.Peer, "request", theirs)
     for name in bench.THREAD_VARIABLES:
         monkeypatch.setenv(name, "9")  # restored afterwards

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 from fake_executables import LOGGED_ARGS, failing_tool, write_executable
+from script_modules import import_script
 
-from rocforge_rt.engine.workloads import LlamaBenchError, llama_batched_bench
+bench_harness = import_script("bench_harness")
+LlamaBenchError = bench_harness.LlamaBenchError
+llama_batched_bench = bench_harness.llama_batched_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 

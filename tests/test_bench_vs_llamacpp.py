@@ -14,9 +14,14 @@ from pathlib import Path
 
 import pytest
 from fake_executables import LOGGED_ARGS, failing_tool, write_executable
-from script_modules import load_script
+from script_modules import import_script, load_script
 
-from rocforge_rt.engine.workloads import lever_settings
+from rocforge_rt.backends import BackendOptions
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
+
+bench_harness = import_script("bench_harness")
+lever_options, lever_settings = bench_harness.lever_options, bench_harness.lever_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,29 +296,45 @@ def test_decode_bench_refuses_a_kernel_tree_that_is_not_a_folder(tiny_model, tmp
     assert result.returncode == 2 and "NAME=DIR" in result.stderr
 
 
-def test_decode_bench_refuses_a_matmul_lever_that_is_not_a_number_or_not_an_attribute(
-    tiny_model,
-):
+def test_decode_bench_refuses_a_lever_that_is_not_a_number_or_not_a_tuning_field(tiny_model):
     result = run_script("bench_decode.py", tiny_model, "--backend", "cpu",
                         "--matmul-lever", "gemv_max_blocks_per_sm=many")  # fmt: skip
     assert result.returncode == 2 and "ATTR=NUMBER" in result.stderr
-    lever = "gemv_max_blocks_per_sm=2"
-    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
-                        "--n-prompt", "8", "--matmul-lever", lever)  # fmt: skip
-    assert result.returncode == 1
-    assert "no numeric Matmul attribute 'gemv_max_blocks_per_sm'" in result.stderr
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cuda",
+                        "--matmul-lever", "gemv_max_blocks=2")  # fmt: skip
+    assert result.returncode == 2
+    assert "MatmulTuning has no lever 'gemv_max_blocks'" in result.stderr
+    result = run_script("bench_decode.py", tiny_model, "--backend", "cuda",
+                        "--attention-lever", "quantize_out=2")  # fmt: skip
+    assert result.returncode == 2
+    assert "AttentionTuning.quantize_out takes 0 or 1, not 2" in result.stderr
 
 
-def test_decode_bench_refuses_an_attention_lever_the_backend_lacks(tiny_model):
-    result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", "--n-decode", "4",
-                        "--n-prompt", "8", "--attention-lever", "quantize_out=0")  # fmt: skip
-    assert result.returncode == 1
-    assert "no numeric Attention attribute 'quantize_out'" in result.stderr
+def test_decode_bench_refuses_levers_on_the_cpu_backend_which_has_none(tiny_model):
+    for flag, lever in (("--matmul-lever", "gemv_max_blocks_per_sm=2"),
+                        ("--attention-lever", "quantize_out=0")):  # fmt: skip
+        result = run_script("bench_decode.py", tiny_model, "--backend", "cpu", flag, lever)
+        assert result.returncode == 2
+        assert "the cpu backend has none" in result.stderr
 
 
 def test_one_lever_sets_several_attributes_of_one_engine():
     both = lever_settings("quantize_swiglu=0,gemv_max_blocks_per_sm=2.5")
     assert both == (("quantize_swiglu", 0), ("gemv_max_blocks_per_sm", 2.5))
+
+
+def test_a_lever_flag_becomes_the_tuning_an_engine_is_loaded_with():
+    """A lever flag's settings replace fields of the default tuning, each of its field's kind
+    (a bool from 0 or 1); the engine takes it as the backend option of that tuning."""
+    options = lever_options("matmul", lever_settings("quantize_swiglu=0,vendor_min_flop=2"))
+    assert options == {"matmul_tuning": MatmulTuning(quantize_swiglu=False, vendor_min_flop=2.0)}
+    assert lever_options("attention", lever_settings("decode_wave=0")) == {
+        "attention_tuning": AttentionTuning(decode_wave=0)
+    }
+    assert lever_options("matmul", ()) == {}
+    with pytest.raises(ValueError, match="gemv_max_blocks_per_sm takes a whole number, not 2.5"):
+        lever_options("matmul", lever_settings("gemv_max_blocks_per_sm=2.5"))
+    assert BackendOptions.of(**options).matmul_tuning.quantize_swiglu is False
 
 
 def test_engines_loaded_inside_kernel_sources_compile_that_tree_and_nothing_else_does(

@@ -131,7 +131,7 @@ def test_a_bind_to_any_free_port_still_serves(tiny_model, port):
 
 
 def test_client_health_answers_no_daemon_within_a_few_seconds():
-    from rocforge_rt.server.cli_commands import free_loopback_port
+    from rocforge_rt.cli.local_daemon import free_loopback_port
 
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     started = time.monotonic()
@@ -238,9 +238,8 @@ def test_the_kv_cache_dtype_reaches_the_engine_from_generate_serve_and_demo(
     demo's to the daemon it starts."""
     import logging
 
-    from rocforge_rt.cli import build_parser, main
+    from rocforge_rt.cli import build_parser, demo, main
     from rocforge_rt.engine.engine import Engine
-    from rocforge_rt.server import cli_commands
     from rocforge_rt.server.config import DaemonConfig, OptionError, plan
 
     parser = build_parser()
@@ -274,7 +273,7 @@ def test_the_kv_cache_dtype_reaches_the_engine_from_generate_serve_and_demo(
         main(["generate", "--model", str(default_model), "--backend", "cpu", "--prompt", "x",
               "--kv-cache-dtype", "fp8"])  # fmt: skip
     assert started.value.args[1]["kv_dtype"] == "fp8"
-    monkeypatch.setattr(cli_commands, "LocalDaemon", start)
+    monkeypatch.setattr(demo, "LocalDaemon", start)
     with pytest.raises(Started) as started:
         main(["demo", "--model", str(tiny_model), "--kv-cache-dtype", "fp8"])
     serve_args = started.value.args[0][1]
@@ -283,7 +282,7 @@ def test_the_kv_cache_dtype_reaches_the_engine_from_generate_serve_and_demo(
 
 def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_default(capsys):
     from rocforge_rt.cli import build_parser, main
-    from rocforge_rt.server.cli_commands import sampling_options
+    from rocforge_rt.cli.options import sampling_options
     from rocforge_rt.step.sampling import SamplingParams
 
     parser = build_parser()
@@ -297,7 +296,9 @@ def test_generate_and_client_generate_take_min_p_and_the_penalties_off_by_defaul
         )
     # a bad value is refused before the model loads (this one does not exist)
     assert main(["generate", "--model", "/nonexistent.gguf", "--prompt", "x", "--min-p", "2"]) == 2
-    assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err
+    assert "min_p must be 0 or a number in [1.1754943508222875e-38, 1.0], got 2.0" in (
+        capsys.readouterr().err
+    )
 
 
 # --- conventions ---------------------------------------------------------------------------------
@@ -462,7 +463,7 @@ def test_exit_status_is_0_1_2_or_130(tmp_path, monkeypatch, capsys) -> None:
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_cmd_models_default", interrupted)
+    monkeypatch.setattr(cli.models, "_cmd_models_default", interrupted)
     assert cli.main(["models", "default"]) == 130
     assert "rocforge: interrupted" in capsys.readouterr().err
 
@@ -489,7 +490,7 @@ def test_the_models_and_cache_flags_reach_what_the_command_runs(
                     numba=os.environ["NUMBA_CACHE_DIR"])  # fmt: skip
         return 0
 
-    monkeypatch.setattr(cli, "_cmd_models_default", record)
+    monkeypatch.setattr(cli.models, "_cmd_models_default", record)
     folders = ["--models-dir", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "c")]
     assert cli.main(["models", "default", *folders]) == 0
     assert seen == {"models": tmp_path / "m", "cache": tmp_path / "c",

@@ -20,7 +20,8 @@ from rocforge_client import (
     raise_for_error,
 )
 from rocforge_rt.cli import main
-from rocforge_rt.server.cli_commands import free_loopback_port, parse_size
+from rocforge_rt.cli.local_daemon import free_loopback_port
+from rocforge_rt.cli.serve import parse_size
 from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.protocol import ErrorCode

@@ -27,14 +27,12 @@ from rocforge_rt.model.convert import SOURCE_TYPES, ConversionReport, convert_to
 from rocforge_rt.model.gguf_file import (
     LINEAR_SUFFIXES,
     ModelFile,
-    TensorOut,
     WeightTensor,
-    copy_metadata,
     load_model_file,
     model_from_reader,
     open_gguf,
-    write_gguf,
 )
+from rocforge_rt.model.gguf_writer import TensorOut, copy_metadata, write_gguf
 
 Q = GGMLQuantizationType
 EXTRA_METADATA = {

@@ -8,13 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from rocforge_rt.backends.cpu import rms_normalize
-from rocforge_rt.backends.cpu_kernels import (
-    _converts_halves,
-    halves_as_singles,
-    rms_norm_rows,
-    rope_rows,
-)
+from rocforge_rt.backends.cpu_arithmetic import rms_normalize
+from rocforge_rt.backends.cpu_intrinsics import _converts_halves
+from rocforge_rt.backends.cpu_kernels import halves_as_singles, rms_norm_rows, rope_rows
 
 
 def test_float16_to_float32_is_numpys_astype_for_every_half():
@@ -66,12 +62,13 @@ def test_rms_norm_is_numpys_bit_for_bit(rows, n):
 
 
 def test_the_kept_scale_is_numpys_fp16_rounding_of_the_scale():
-    """_kept_scale (the matmul kernels' activation scales) against cpu.kept_scales: every
-    midpoint between neighbouring fp16 values (ties: to even) and the float32s either side
-    of it, subnormal fp16s included, and values past fp16's largest (saturating at 65504)."""
+    """_kept_scale (the matmul kernels' activation scales) against
+    cpu_arithmetic.kept_scales: every midpoint between neighbouring fp16 values (ties: to
+    even) and the float32s either side of it, subnormal fp16s included, and values past
+    fp16's largest (saturating at 65504)."""
     from numba import njit
 
-    from rocforge_rt.backends.cpu import kept_scales
+    from rocforge_rt.backends.cpu_arithmetic import kept_scales
     from rocforge_rt.backends.cpu_kernels import _kept_scale
 
     @njit
@@ -90,8 +87,10 @@ def test_the_kept_scale_is_numpys_fp16_rounding_of_the_scale():
 
 NO_F16C_SCRIPT = """
 import numpy as np
-from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
-from rocforge_rt.backends.cpu_kernels import _converts_halves, halves_as_singles
+from rocforge_rt.backends.cpu_arithmetic import q8_matmul, q8_matmul_reference
+from rocforge_rt.backends.cpu_weights import BlockMatrix
+from rocforge_rt.backends.cpu_intrinsics import _converts_halves
+from rocforge_rt.backends.cpu_kernels import halves_as_singles
 
 assert not _converts_halves()
 halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
@@ -127,7 +126,8 @@ def check_matmul_is_the_reference_at_the_integer_extremes() -> None:
     -128 or all 127) in tiles of LANES and a narrow last one (130 = 2 * 64 + 2 rows), against
     1, 3, 64 and 128 activation rows of random values, all +-127 (+-127/128: d_x 2^-7) or
     +-127 in random signs."""
-    from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
+    from rocforge_rt.backends.cpu_arithmetic import q8_matmul, q8_matmul_reference
+    from rocforge_rt.backends.cpu_weights import BlockMatrix
 
     rng = np.random.default_rng(11)
     n_out, n_blocks = 130, 5
@@ -149,12 +149,12 @@ def check_matmul_is_the_reference_at_the_integer_extremes() -> None:
 
 
 def test_the_matmul_is_the_reference_at_the_integer_extremes():
-    """On this machine's CPU (`cpu_kernels._block_dots`: its widest byte multiply-adds)."""
+    """On this machine's CPU (`cpu_intrinsics.block_dots`: its widest byte multiply-adds)."""
     check_matmul_is_the_reference_at_the_integer_extremes()
 
 
 # x86-64 CPUs numba may compile for (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES), a codegen path
-# each (`cpu_kernels._block_dots`): whether it has VNNI; its widest pmaddubsw (bytes, 0: none)
+# each (`cpu_intrinsics.block_dots`): whether it has VNNI; its widest pmaddubsw (bytes, 0: none)
 X86_PATHS = {
     "vnni": ("znver4", "+sse2,+ssse3,+avx,+avx2,+f16c,+avx512f,+avx512bw,+avx512vnni", True, 64),
     "avx512bw": ("skylake-avx512", "+sse2,+ssse3,+avx,+avx2,+f16c,+avx512f,+avx512bw", False, 64),
@@ -165,7 +165,7 @@ X86_PATHS = {
 
 PATH_SCRIPT = """
 import sys
-from rocforge_rt.backends.cpu_kernels import _BYTE_PAIRS, _cpu_features, _has_vnni
+from rocforge_rt.backends.cpu_intrinsics import _BYTE_PAIRS, _cpu_features, _has_vnni
 import test_cpu_kernels
 
 vnni, widest = sys.argv[1] == "True", int(sys.argv[2])

@@ -9,16 +9,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, weight
 
-from rocforge_rt.backends.cpu import (
-    BlockMatrix,
-    CpuBackend,
-    dequantize,
-    held_bytes,
-    q8_matmul,
-    q8_matmul_reference,
-    quantize_q8,
-)
+from rocforge_rt.backends.cpu import CpuBackend
+from rocforge_rt.backends.cpu_arithmetic import q8_matmul, q8_matmul_reference, quantize_q8
 from rocforge_rt.backends.cpu_kernels import PARALLEL_KERNELS
+from rocforge_rt.backends.cpu_weights import BlockMatrix, dequantize, held_bytes
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.forward import held_together
@@ -335,7 +329,8 @@ import numpy as np
 from numba.core import caching
 
 caching.CacheImpl._locator_classes = []  # as where no cache directory is writable
-from rocforge_rt.backends.cpu import BlockMatrix, q8_matmul, q8_matmul_reference
+from rocforge_rt.backends.cpu_arithmetic import q8_matmul, q8_matmul_reference
+from rocforge_rt.backends.cpu_weights import BlockMatrix
 
 quants = np.arange(2 * 3 * 16, dtype=np.uint8).reshape(2, 3, 16)
 matrix = BlockMatrix.from_blocks(quants, np.full((2, 3), 0.5, np.float16))

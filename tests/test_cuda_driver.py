@@ -15,7 +15,7 @@ import pytest
 
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
-from rocforge_rt.backends.gpu.driver import DeviceBuffer, Function, Module
+from rocforge_rt.backends.gpu.driver_types import DeviceBuffer, Function, Module
 from rocforge_rt.backends.gpu.graph import StepGraph
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 from rocforge_rt.backends.gpu.launch import LaunchHandle

@@ -39,8 +39,9 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.profiling.latency import distribution
 from rocforge_rt.server.config import DaemonConfig, ServerError
-from rocforge_rt.server.daemon import Daemon, State
+from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.engine_loop import END_OF_REPLIES
+from rocforge_rt.server.io_ops import State
 from rocforge_rt.server.replies import Outbox, pack_batch, unpack_batch
 from rocforge_rt.server.security import SecurityError, generate_keys
 from rocforge_rt.step.forward import LAYER_OPS
@@ -526,7 +527,7 @@ def test_a_bug_in_a_request_handler_fails_that_request_only(daemon: Daemon, clie
     def broken(_request: Any) -> dict[str, Any]:
         raise KeyError("a bug")
 
-    daemon._info = broken  # the I/O thread looks handlers up per request
+    daemon.ops.info = broken  # the I/O thread looks handlers up per request
     with pytest.raises(ClientError, match="KeyError") as info:
         client.info()
     assert info.value.code == "internal"
@@ -713,7 +714,7 @@ def test_stopping_cuts_requests_in_flight_and_refuses_new_ones(tiny_model: Path)
 def spawn_serve(launcher: list[str], model: Path, *extra: str, ctx_size: int) -> tuple[Any, str]:
     """`python LAUNCHER serve` of a one-session CPU daemon on a free loopback port (and `extra`
     options), stderr piped."""
-    from rocforge_rt.server.cli_commands import free_loopback_port
+    from rocforge_rt.cli.local_daemon import free_loopback_port
 
     addr = f"tcp://127.0.0.1:{free_loopback_port()}"
     root = str(Path(__file__).resolve().parents[1])

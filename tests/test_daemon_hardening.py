@@ -392,7 +392,7 @@ def test_the_peer_watch_names_exactly_the_peers_whose_connection_closed() -> Non
 
 FLOOD_THEN_VANISH = """
 import time, zmq
-from rocforge_rt.server.daemon import tune_router
+from rocforge_rt.server.router_socket import tune_router
 from rocforge_rt.server.peers import PeerWatch
 
 context = zmq.Context()

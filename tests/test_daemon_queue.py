@@ -18,8 +18,8 @@ from test_daemon import OTHER_PROMPT, PROMPT, Peer, serving, slow, wait_for
 from test_daemon_hardening import replies_to
 
 from rocforge_client import Busy, connect
+from rocforge_rt.cli.stats_report import format_stats
 from rocforge_rt.engine.kv_cache import SlotAllocator
-from rocforge_rt.server.cli_commands import format_stats
 from rocforge_rt.server.jobs import Job, JobBoard
 from rocforge_rt.server.protocol import parse_request
 

@@ -12,7 +12,6 @@ from rocforge_rt.engine.engine import Engine
 from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.server.protocol import ErrorCode
 from rocforge_rt.server.translate import ENGINE_ERROR_CODES
-from rocforge_rt.step.sampling import SamplingParams
 
 
 def test_every_engine_error_code_has_a_reply_code() -> None:
@@ -60,39 +59,3 @@ def test_each_engine_refusal_has_its_code(engine: Engine) -> None:
     assert refusal(lambda: Engine(engine.model, engine.backend, n_slots=1, n_ctx=too_long)) is (
         EngineErrorCode.BAD_CONFIG
     )
-
-
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        SamplingParams(temperature=1.0, top_k=2**31),  # the device's top_k is an int32
-        SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32
-        SamplingParams(temperature=1e-46),  # 0 in float32, not greedy: a division by 0
-        SamplingParams(temperature=float("inf")),
-        # a step reads its rows back as float32: 0 there, refused by the step's own check
-        SamplingParams(repetition_penalty=1e-46),
-        SamplingParams(repetition_penalty=1e39),  # inf in float32: every logit / inf
-        SamplingParams(temperature=1.0, min_p=1e-40),  # float32 subnormals: the device's
-        SamplingParams(frequency_penalty=-1e-40),  # arithmetic may flush them to 0
-        SamplingParams(presence_penalty=1e-46),
-    ],
-    ids=["top_k=2**31", "top_p=1e-46", "temperature=1e-46", "temperature=inf",
-         "repetition_penalty=1e-46", "repetition_penalty=1e39", "min_p=f32 subnormal",
-         "frequency_penalty=-f32 subnormal", "presence_penalty=1e-46"],
-)  # fmt: skip
-def test_sampling_the_device_cannot_hold_is_invalid_and_takes_no_slot(
-    engine: Engine, sampling: SamplingParams
-) -> None:
-    assert refusal(lambda: engine.open_session([1], sampling=sampling)) is (
-        EngineErrorCode.INVALID_ARGUMENT
-    )
-    assert engine.slots.in_use == 0
-    session = engine.open_session([1], max_tokens=1)
-    try:
-        engine.prefill(session)
-        assert refusal(lambda: engine.append(session, [2], sampling=sampling)) is (
-            EngineErrorCode.INVALID_ARGUMENT
-        )
-    finally:
-        engine.close_session(session)
-    assert engine.slots.in_use == 0

@@ -11,7 +11,8 @@ import pytest
 
 from rocforge_rt.backends.cpu import CpuBackend
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.engine.engine import Engine, pack_step
+from rocforge_rt.engine.engine import Engine
+from rocforge_rt.engine.scheduling import pack_step
 from rocforge_rt.engine.session import Session
 from rocforge_rt.model.gguf_file import load_model_file
 from rocforge_rt.step.sampling import SamplingParams

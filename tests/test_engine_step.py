@@ -2,6 +2,8 @@
 sessions in one forward pass give each session the tokens it gets in steps of its own, on the
 CPU and (batch invariant) on a GPU."""
 
+from dataclasses import replace
+
 import pytest
 
 from rocforge_rt.backends.gpu import cuda
@@ -70,7 +72,7 @@ def test_prompts_arriving_together_prefill_in_one_step_beside_running_streams(
     step one forward pass (a backend without ragged steps runs the same schedule pass by
     pass)."""
     expected = [alone(engine, p, 6) for p in PROMPTS]
-    engine.backend.ragged_steps = ragged
+    monkeypatch.setattr(engine, "caps", replace(engine.caps, ragged_steps=ragged))
     passes = []
     run = engine._run
     monkeypatch.setattr(engine, "_run", lambda *a: passes.append(a[0].n_tokens) or run(*a))

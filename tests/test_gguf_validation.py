@@ -11,13 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValue, GGUFValueType, quants
 
 from rocforge_rt.errors import ModelFormatError
-from rocforge_rt.model.gguf_file import (
-    TensorOut,
-    copy_metadata,
-    load_model_file,
-    open_gguf,
-    write_gguf,
-)
+from rocforge_rt.model.gguf_file import load_model_file, open_gguf
+from rocforge_rt.model.gguf_writer import TensorOut, copy_metadata, write_gguf
 from rocforge_rt.model.hparams import HParams
 
 Q = GGMLQuantizationType

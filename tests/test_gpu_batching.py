@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.engine.session import Session
 
@@ -64,8 +65,9 @@ def test_decode_past_the_fold_kernel_threshold_gives_the_tokens_of_the_in_kernel
     throughout."""
     runs, stats = [], []
     for min_tiles in (10**6, 2):
-        engine = Engine.load(synthetic_model, backend="cuda", n_slots=n_sessions, n_ctx=256)
-        engine.backend.attention.fold_kernel_min_tiles = min_tiles
+        tuning = AttentionTuning(fold_kernel_min_tiles=min_tiles)
+        engine = Engine.load(synthetic_model, backend="cuda", n_slots=n_sessions, n_ctx=256,
+                             attention_tuning=tuning)  # fmt: skip
         batch = prompts(n_sessions, engine.hparams.n_vocab)  # all shorter than 64 tokens
         runs.append(generate(engine, batch, [100] * n_sessions))
         stats.append(engine.backend.runtime_stats())

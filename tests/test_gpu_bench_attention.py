@@ -40,6 +40,6 @@ def test_attention_bench_refuses_a_lever_the_attention_lacks(gpu_driver, tmp_pat
     command = [sys.executable, script, "--shape", "tiny-k", "--depths", "64", "--rows", "1"]
     command += ["--attention-lever", "no_such_lever=1", "--out", str(tmp_path / "a.json")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 1
-    assert "no numeric Attention attribute 'no_such_lever'" in result.stderr
+    assert result.returncode == 2
+    assert "AttentionTuning has no lever 'no_such_lever'" in result.stderr
     assert not (tmp_path / "a.json").exists()

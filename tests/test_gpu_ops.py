@@ -5,6 +5,8 @@ arithmetic: max relative error 1e-3) and with float32 activations (2e-2).
 Relative error here is max |gpu - ref| / max |ref|.
 """
 
+import dataclasses
+import math
 import struct
 
 import numpy as np
@@ -12,10 +14,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, rel_error, weight
 
-from rocforge_rt.backends import create_backend
-from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize
+from rocforge_rt.backends import BackendOptions, create_backend
+from rocforge_rt.backends.cpu import CpuBackend
+from rocforge_rt.backends.cpu_arithmetic import quantize_q8, rms_normalize
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.attention import FOLD_KERNEL_MIN_TILES
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
 from rocforge_rt.backends.gpu.kernel_constants import (
     ATTN_ONE_SPAN_TILES,
     ATTN_SPAN,
@@ -23,7 +26,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
     GEMV_MAX_ROWS,
     MMV_MAX_ROWS,
 )
-from rocforge_rt.backends.gpu.matmul import GEMV_BULK_SHARED, GEMV_EARLY_RELEASE_BLOCKS_PER_SM
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -36,11 +39,23 @@ pytestmark = [
 ]
 
 
+def tune(monkeypatch: pytest.MonkeyPatch, gpu, **levers) -> None:
+    """The backend's matmuls planned with these tuning levers for the rest of the test: its
+    Matmul swapped for one built with them (Matmul.retuned)."""
+    tuning = dataclasses.replace(gpu.matmul.tuning, **levers)
+    monkeypatch.setattr(gpu, "matmul", gpu.matmul.retuned(tuning))
+
+
+DEFAULT_FOLD = AttentionTuning.fold_kernel_min_tiles
+
+
 @pytest.fixture(scope="module")
 def gpu():
     # Buffers sized for the largest shapes below: K up to 14336, N up to 3 * 3072.
     shapes = hparams(n_embd=14336, n_ff=14336, n_head=48, n_head_kv=48)
-    return create_backend("cuda", shapes, n_slots=1, n_ctx=64, max_tokens=MMV_MAX_ROWS)
+    return create_backend(
+        "cuda", shapes, n_slots=1, n_ctx=64, options=BackendOptions(max_tokens=MMV_MAX_ROWS)
+    )
 
 
 @pytest.mark.parametrize("k", [576, 1536, 2048, 4096, 14336])
@@ -77,7 +92,7 @@ def test_a_row_quantized_once_gives_the_bits_of_blocks_quantizing_it_themselves(
 
     results = []
     for min_k in (0, k + 1):  # quantized once, then by every block
-        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
+        tune(monkeypatch, gpu, gemv_prequant_min_k=min_k)
         before = quantize_launches()
         act = gpu.load_activation(np.concatenate([x, residual])[None])
         x_act, res_act = type(act)(act.buf, 1, k), type(act)(act.buf, 1, 960, k * 4)
@@ -95,7 +110,7 @@ def test_a_gemv_releases_its_successor_early_exactly_when_the_device_holds_its_g
     gpu, n, monkeypatch
 ):
     """release_early (kernels/gemv.hip) is passed for a one-row GEMV grid of fewer blocks
-    than GEMV_EARLY_RELEASE_BLOCKS_PER_SM a multiprocessor, and changes no bit of the
+    than MatmulTuning.gemv_early_release_blocks_per_sm a multiprocessor, and changes no bit of the
     outputs."""
     rng = np.random.default_rng(n)
     k = 576
@@ -107,9 +122,9 @@ def test_a_gemv_releases_its_successor_early_exactly_when_the_device_holds_its_g
     (handle,) = [h for key, h in gpu.launcher.handles.items() if key not in before]
     release = struct.unpack_from("<i", handle.packed_bytes, handle.layout.offsets[9])[0]
     sms = gpu.driver.info.multiprocessors
-    assert release == int(handle.grid[0] < GEMV_EARLY_RELEASE_BLOCKS_PER_SM * sms)
+    assert release == int(handle.grid[0] < MatmulTuning.gemv_early_release_blocks_per_sm * sms)
     for blocks_per_sm in (0, 10**6):  # never, always
-        monkeypatch.setattr(gpu.matmul, "gemv_early_release_blocks_per_sm", blocks_per_sm)
+        tune(monkeypatch, gpu, gemv_early_release_blocks_per_sm=blocks_per_sm)
         assert np.array_equal(gpu.to_host(gpu.norm_matmul(x, gain, matrix)), default)
 
 
@@ -130,7 +145,7 @@ def test_a_gemv_warp_gives_the_same_bits_however_many_row_groups_it_walks(gpu, k
     residual = rng.standard_normal(n).astype(np.float32)
     results = []
     for blocks_per_sm in (1, 2, 10**6):
-        monkeypatch.setattr(gpu.matmul, "gemv_max_blocks_per_sm", blocks_per_sm)
+        tune(monkeypatch, gpu, gemv_max_blocks_per_sm=blocks_per_sm)
         act = gpu.load_activation(np.concatenate([x, residual])[None])
         x_act, res_act = Activation(act.buf, 1, k), Activation(act.buf, 1, n, k * 4)
         normed = gpu.to_host(gpu.norm_matmul(x_act, gain, matrix))
@@ -176,7 +191,7 @@ def test_gemv_residual_and_swiglu_epilogues_match_the_cpu(gpu, rows):
 def test_attention_over_the_kv_pool_matches_the_cpu(head_dim, n_head, n_kv, context):
     hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
     n_ctx = 8192
-    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=4)
+    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, options=BackendOptions(max_tokens=4))
     cpu = CpuBackend(hp, 2, n_ctx)
     rng = np.random.default_rng(context + head_dim)
     keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
@@ -208,8 +223,9 @@ def test_one_row_attention_hands_the_o_projection_its_output_quantized(
     width = n_head * head_dim
     hp = hparams(n_embd=width, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
     n_ctx = 4224
-    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=4)
-    gpu.attention.fold_kernel_min_tiles = fold_kernel_min_tiles
+    tuning = AttentionTuning(fold_kernel_min_tiles=fold_kernel_min_tiles)
+    options = BackendOptions(max_tokens=4, attention_tuning=tuning)
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=n_ctx, options=options)
     rng = np.random.default_rng(context + head_dim)
     for cache in (gpu.workspace.k_cache[0], gpu.workspace.v_cache[0]):
         gpu.driver.copy_htod(cache, rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16))
@@ -229,7 +245,7 @@ def test_one_row_attention_hands_the_o_projection_its_output_quantized(
 
     plain = type(attn)(attn.buf, 1, width)  # the same float row, no q8 form
     for min_k in (0, width + 1):  # rf_quantize_q8_gemv, then every block quantizing
-        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
+        tune(monkeypatch, gpu, gemv_prequant_min_k=min_k)
         gpu.load_activation(np.concatenate([q, residual], axis=1))
         assert np.array_equal(gpu.to_host(gpu.matmul_add(plain, matrix, res_act)), copied)
         if min_k == 0:
@@ -255,13 +271,13 @@ def test_one_row_gate_up_hands_the_down_projection_its_output_quantized(
     gate_up = gpu.linear(weight(rng, n_ff, k, qtype, "gate"), weight(rng, n_ff, k, qtype, "up"))
     down = gpu.linear(weight(rng, k, n_ff))
     ws = gpu.workspace
-    monkeypatch.setattr(gpu.matmul, "swiglu_blocks_spread", lambda n_out: True)
+    tune(monkeypatch, gpu, swiglu_q8_imbalance=math.inf)  # every gate|up spreads its 32-blocks
     # A block per 32-block (up to 4 a multiprocessor), several 32-blocks a block, one block.
     for blocks_per_sm in (4, 1, 0):
-        monkeypatch.setattr(gpu.matmul, "gemv_max_blocks_per_sm", blocks_per_sm)
+        tune(monkeypatch, gpu, gemv_max_blocks_per_sm=blocks_per_sm)
         x = rng.standard_normal((1, k)).astype(np.float32)
         residual = rng.standard_normal((1, k)).astype(np.float32)
-        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", 0)
+        tune(monkeypatch, gpu, gemv_prequant_min_k=0)
         h = gpu.norm_gate_up_swiglu(gpu.load_activation(x), gain, gate_up)
         assert h.q8 == ws.ffn_xq.ptr
         from_swiglu = q8_bytes(gpu, ws.ffn_xq, n_ff)
@@ -270,10 +286,10 @@ def test_one_row_gate_up_hands_the_down_projection_its_output_quantized(
 
         plain = Activation(h.buf, 1, n_ff)  # the same float row, no q8 form
         for min_k in (0, n_ff + 1):  # rf_quantize_q8_gemv, then every block quantizing
-            monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", min_k)
+            tune(monkeypatch, gpu, gemv_prequant_min_k=min_k)
             gpu.load_activation(residual)
             assert np.array_equal(gpu.to_host(gpu.matmul_add(plain, down, res_act)), copied)
-        monkeypatch.setattr(gpu.matmul, "gemv_prequant_min_k", 0)
+        tune(monkeypatch, gpu, gemv_prequant_min_k=0)
         gpu.load_activation(residual)
         gpu.matmul_add(plain, down, res_act)
         assert q8_bytes(gpu, ws.gemv_xq, n_ff) == from_swiglu, blocks_per_sm
@@ -298,8 +314,8 @@ def test_a_cluster_quantizing_its_row_together_gives_the_bits_of_a_row_quantized
 
     def run(cluster: int, spread: bool) -> tuple[list[np.ndarray], list[str]]:
         """The GEMV's outputs, and the names of the quantizing kernels it launched."""
-        monkeypatch.setattr(gpu.matmul, "gemv_cluster_blocks", cluster)
-        monkeypatch.setattr(gpu.matmul, "swiglu_blocks_spread", lambda n_out: spread)
+        tune(monkeypatch, gpu, gemv_cluster_blocks=cluster, quantize_swiglu=spread,
+             swiglu_q8_imbalance=math.inf)  # fmt: skip
         acts = []
         handles = gpu.launcher.record(
             lambda: acts.append(gpu.norm_gate_up_swiglu(x, gain, gate_up))
@@ -340,7 +356,7 @@ def test_gemv_weights_through_shared_memory_give_the_bits_of_weights_through_reg
     and with as many as fit."""
     if not gpu.driver.supports_bulk_copy:
         pytest.skip("no bulk copies on this device")
-    monkeypatch.setattr(gpu.matmul, "gemv_bulk_min_n", 0)  # every plain one-row GEMV
+    tune(monkeypatch, gpu, gemv_bulk_min_n=0)  # every plain one-row GEMV
     rng = np.random.default_rng(k)
     gain = gpu.vector(WeightTensor("g", Q.F32, (k,), rng.uniform(0.5, 1.5, k).astype(np.float32)))
     matrices = {n: gpu.linear(weight(rng, n, k)) for n in (4225, 33000)}
@@ -355,13 +371,17 @@ def test_gemv_weights_through_shared_memory_give_the_bits_of_weights_through_reg
             got["residual", n] = gpu.to_host(gpu.matmul_add(x_act, matrix, res_act))
 
     launched = {}
-    for budget in (0, 1, GEMV_BULK_SHARED):  # registers; a ring of one slot; the default
-        monkeypatch.setattr(gpu.matmul, "gemv_bulk_shared", budget)
+    for budget in (
+        0,
+        1,
+        MatmulTuning.gemv_bulk_shared,
+    ):  # registers; a ring of one slot; the default
+        tune(monkeypatch, gpu, gemv_bulk_shared=budget)
         got = launched[budget] = {}
         handles = gpu.launcher.record(lambda got=got: outputs(got))
         names = {h.name for h in handles if h.name.startswith("rf_gemv")}
         assert names and all(name.endswith("_bulk") == (budget > 0) for name in names), names
-    for budget in (1, GEMV_BULK_SHARED):
+    for budget in (1, MatmulTuning.gemv_bulk_shared):
         for key, value in launched[0].items():
             assert np.array_equal(launched[budget][key], value), (budget, key)
 
@@ -373,7 +393,7 @@ def test_prompt_chunk_attention_equals_decode_attention_bit_for_bit(head_dim, n_
     decode kernel (splits across blocks) gives each of them, and follow the CPU."""
     hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
     n_ctx, n = 8192, 45
-    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, max_tokens=64)
+    gpu = create_backend("cuda", hp, n_slots=2, n_ctx=n_ctx, options=BackendOptions(max_tokens=64))
     cpu = CpuBackend(hp, 2, n_ctx)
     rng = np.random.default_rng(start + head_dim + n_head)
     keys = rng.standard_normal((2, n_ctx, n_kv, head_dim)).astype(np.float16)
@@ -442,8 +462,9 @@ def attention_setup():
             n_head = group * n_kv
             hp = hparams(n_embd=n_head * head_dim, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim)
             gpu = create_backend(
-                "cuda", hp, n_slots=2, n_ctx=ATTN_N_CTX, max_tokens=ATTN_CHUNK, kv_dtype=kv_dtype
-            )
+                "cuda", hp, n_slots=2, n_ctx=ATTN_N_CTX,
+                options=BackendOptions(max_tokens=ATTN_CHUNK, kv_dtype=kv_dtype),
+            )  # fmt: skip
             cpu = CpuBackend(hp, 2, ATTN_N_CTX, kv_dtype=kv_dtype)
             rng = np.random.default_rng(head_dim * 10 + group)
             shape = (2, ATTN_N_CTX, n_kv, head_dim)
@@ -493,9 +514,8 @@ def test_prefill_and_decode_attention_match_the_cpu_across_key_tiles(
 @pytest.mark.parametrize("context", ATTN_CONTEXTS)
 @pytest.mark.parametrize(
     ("wave", "fold_kernel_min_tiles", "kv_dtype"),
-    [("device", FOLD_KERNEL_MIN_TILES, "f16"), (1, FOLD_KERNEL_MIN_TILES, "f16"),
-     ("device", 1, "f16"), ("device", 10**6, "f16"), ("device", FOLD_KERNEL_MIN_TILES, "fp8"),
-     (1, 1, "fp8")],
+    [(None, DEFAULT_FOLD, "f16"), (1, DEFAULT_FOLD, "f16"), (None, 1, "f16"),
+     (None, 10**6, "f16"), (None, DEFAULT_FOLD, "fp8"), (1, 1, "fp8")],
 )  # fmt: skip
 def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kernel(
     attention_setup, monkeypatch, head_dim, group, context, wave, fold_kernel_min_tiles, kv_dtype
@@ -505,14 +525,13 @@ def test_a_token_gets_the_same_bits_from_the_prefill_kernel_and_the_decode_kerne
     across blocks), gives the same bits; so does its last token decoded alone (a one-row
     step, which stages the cache before its own row). Either way the decode blocks take two
     tiles each, where the stage holds them, when one a block would overflow `wave` blocks
-    (the device's wave, or 1: always), and a step whose context reaches
+    (None: the device's wave; 1: always), and a step whose context reaches
     `fold_kernel_min_tiles` tiles (the default; 1: every step; 10**6: none) folds the
     parts in rf_attention_fold instead of the decode kernel's last blocks. Over either pool
     format (kv_dtype)."""
     gpu, _ = attention_setup(head_dim, group, kv_dtype)
-    if wave != "device":
-        monkeypatch.setattr(gpu.attention, "decode_wave", wave)
-    monkeypatch.setattr(gpu.attention, "fold_kernel_min_tiles", fold_kernel_min_tiles)
+    tuning = AttentionTuning(fold_kernel_min_tiles=fold_kernel_min_tiles, decode_wave=wave)
+    monkeypatch.setattr(gpu, "attention", gpu.attention.retuned(tuning))
     q = np.random.default_rng(context + 1).standard_normal((ATTN_CHUNK, gpu.hparams.q_dim))
     q = q.astype(np.float32)
     chunk = chunk_reaching(context)

@@ -15,11 +15,13 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, rel_error, weight
 
-from rocforge_rt.backends import create_backend
-from rocforge_rt.backends.cpu import CpuBackend, quantize_q8, rms_normalize, silu
+from rocforge_rt.backends import BackendOptions, create_backend
+from rocforge_rt.backends.cpu import CpuBackend
+from rocforge_rt.backends.cpu_arithmetic import quantize_q8, rms_normalize, silu
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
-from rocforge_rt.backends.gpu.matmul import MMV_SHAPES
+from rocforge_rt.backends.gpu.kernel_variants import MmvShape, mmv_shapes
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -48,13 +50,19 @@ def row_counts(k: int, n: int) -> tuple[int, int]:
     return odd, 128
 
 
+# Every matmul of a prompt chunk on the GEMM (the vendor one unless batch invariant), the
+# small shapes here too.
+EVERY_SIZE_ON_THE_GEMM = MatmulTuning(vendor_min_flop=0)
+
+
 def make_gpu(gemm: str):
     # Buffers sized for the largest shapes below: K up to 14336, N up to 3 * 3072.
     shapes = hparams(n_embd=14336, n_ff=14336, n_head=48, n_head_kv=48)
     gpu = create_backend(
-        "cuda", shapes, n_slots=1, n_ctx=64, max_tokens=MAX_ROWS, batch_invariant=gemm == "int8"
-    )
-    gpu.matmul.vendor_min_flop = 0  # every size on the GEMM under test
+        "cuda", shapes, n_slots=1, n_ctx=64,
+        options=BackendOptions(max_tokens=MAX_ROWS, batch_invariant=gemm == "int8",
+                               matmul_tuning=EVERY_SIZE_ON_THE_GEMM),
+    )  # fmt: skip
     return gpu
 
 
@@ -182,10 +190,11 @@ def test_gemm_over_q8_0_weights_matches_the_cpu(gpu, cpu, k, n):
             assert rel_error(got, expected) <= tolerance, (rows, tolerance)
 
 
-def each_mmv_shape(tiles: int, choice: int) -> tuple[int, int, int]:
+def each_mmv_shape(tiles: int, choice: int) -> MmvShape:
     """MMV shape `choice` of those declared for `tiles` 8-row tiles (the last past them):
     passes over choices 0, 1, ... run every declared rf_mmv kernel."""
-    return MMV_SHAPES[tiles][min(choice, len(MMV_SHAPES[tiles]) - 1)]
+    shapes = mmv_shapes(tiles)
+    return shapes[min(choice, len(shapes) - 1)]
 
 
 @pytest.mark.parametrize("k", [576, 608, 4096, 14336])  # 608: an odd block count
@@ -212,7 +221,7 @@ def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
         return [norm, swiglu, added]
 
     chunk = run(x.shape[0])
-    for choice in range(max(map(len, MMV_SHAPES.values()))):  # each MMV shape (TW, KS)
+    for choice in range(max(len(mmv_shapes(t)) for t in (1, 2, 4, 8))):  # each MMV shape (TW, KS)
         gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
         for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
             for batch, prompt in zip(run(rows), chunk, strict=True):
@@ -227,8 +236,8 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu, k
     hp = hparams()
     n_ctx, chunk_rows = 96, MMV_MAX_ROWS + 16
     gpu = create_backend(
-        "cuda", hp, n_slots=1, n_ctx=n_ctx, max_tokens=chunk_rows, batch_invariant=True,
-        kv_dtype=kv_dtype,
+        "cuda", hp, n_slots=1, n_ctx=n_ctx,
+        options=BackendOptions(max_tokens=chunk_rows, batch_invariant=True, kv_dtype=kv_dtype),
     )  # fmt: skip
     rng = np.random.default_rng(12)
     parts = [weight(rng, n, hp.n_embd, name=name)
@@ -252,7 +261,7 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu, k
         return q, *caches
 
     chunk = run(chunk_rows)
-    for choice in range(max(map(len, MMV_SHAPES.values()))):
+    for choice in range(max(len(mmv_shapes(t)) for t in (1, 2, 4, 8))):
         gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
         for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
             for decode, prompt in zip(run(rows), chunk, strict=True):
@@ -268,7 +277,8 @@ def test_an_fp8_pool_holds_each_value_rounded_as_the_reference_rounds_it():
     too), NaN and signed zeros among them."""
     hp = hparams()
     rows = 64
-    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=rows, max_tokens=rows, kv_dtype="fp8")
+    options = BackendOptions(max_tokens=rows, kv_dtype="fp8")
+    gpu = create_backend("cuda", hp, n_slots=1, n_ctx=rows, options=options)
     rng = np.random.default_rng(3)
     width = hp.q_dim + hp.kv_dim_k + hp.kv_dim_v
     qkv = rng.standard_normal((rows, width)).astype(np.float32)
@@ -368,10 +378,8 @@ def test_decode_batches_replay_in_their_graph(synthetic_model, n_sessions):
     as eager steps."""
     runs = []
     for mode in ("deferred", "graph"):
-        engine = Engine.load(
-            synthetic_model, backend="cuda", n_ctx=64, n_slots=n_sessions, mode=mode
-        )
-        engine.backend.matmul.vendor_min_flop = 0  # these small matmuls too
+        engine = Engine.load(synthetic_model, backend="cuda", n_ctx=64, n_slots=n_sessions,
+                             mode=mode, matmul_tuning=EVERY_SIZE_ON_THE_GEMM)  # fmt: skip
         rng = np.random.default_rng(4)
         sessions = [engine.open_session(rng.integers(0, 1000, 5).tolist(), max_tokens=6)
                     for _ in range(n_sessions)]  # fmt: skip

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from script_modules import import_script
 
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.engine.engine import Engine
-from rocforge_rt.engine.workloads import decode_tokens_per_s
 from rocforge_rt.model.synthetic import write_synthetic_model
 from rocforge_rt.profiling.recommendations import step_recommendations
 from rocforge_rt.profiling.trace import GPU_TID, LAUNCH_TID, chrome_trace
+
+decode_tokens_per_s = import_script("bench_harness").decode_tokens_per_s
 
 pytestmark = [
     pytest.mark.gpu,

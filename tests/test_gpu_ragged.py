@@ -2,7 +2,7 @@
 rows gives each sequence the bits of a pass of its own.
 
 Every op but attention is row by row; attention splits a step's rows into launches
-(backends/gpu/attention.py): a run of one slot's consecutive positions past GEMV_MAX_ROWS
+(backends/gpu/attention_plan.py): a run of one slot's consecutive positions past GEMV_MAX_ROWS
 takes the prefill kernel, the rows between such runs the decode kernel, in pieces of at
 most `attn_decode_rows`. The split is checked without a GPU; the bits on one, batch
 invariant (the int8 GEMM shares the GEMV's summation order).
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rocforge_rt.backends.gpu import cuda
-from rocforge_rt.backends.gpu.attention import AttentionRange, attention_ranges
+from rocforge_rt.backends.gpu.attention_plan import AttentionRange, attention_ranges
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.batch import SequencePart, StepBatch

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gpu_checks import hparams
 
-from rocforge_rt.backends import create_backend
+from rocforge_rt.backends import BackendOptions, create_backend
 from rocforge_rt.backends.gpu import cuda
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
@@ -60,7 +60,7 @@ def sampler_logits(rng: np.random.Generator, n_vocab: int, kind: str) -> np.ndar
 def sampling_backend(logits: np.ndarray):
     """A CUDA backend of ROWS slots whose logits buffer holds `logits` [ROWS, n_vocab]."""
     gpu = create_backend("cuda", hparams(n_vocab=logits.shape[1]), n_slots=ROWS, n_ctx=64,
-                         max_tokens=ROWS, mode="deferred")  # fmt: skip
+                         options=BackendOptions(max_tokens=ROWS, mode="deferred"))  # fmt: skip
     gpu.driver.copy_htod(gpu.workspace.logits, logits)
     return gpu
 
@@ -175,7 +175,7 @@ def test_device_penalties_and_min_p_pick_what_the_reference_picks(n_vocab):
     penalty kernel) hold the row's best tokens several times, so the penalties move the
     pick; the device's tokens, log-probabilities and alternatives are the reference's."""
     gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=ROWS, n_ctx=256,
-                         max_tokens=ROWS, mode="deferred")  # fmt: skip
+                         options=BackendOptions(max_tokens=ROWS, mode="deferred"))  # fmt: skip
     rng = np.random.default_rng(n_vocab)
     logits = sampler_logits(rng, n_vocab, "peaked")
     for trial in range(8):
@@ -199,7 +199,8 @@ def test_device_penalties_and_min_p_pick_what_the_reference_picks(n_vocab):
 
 def test_the_device_sampler_advances_the_step_state():
     n_vocab = 4096
-    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=2, n_ctx=64, max_tokens=2)
+    options = BackendOptions(max_tokens=2)
+    gpu = create_backend("cuda", hparams(n_vocab=n_vocab), n_slots=2, n_ctx=64, options=options)
     logits = np.random.default_rng(1).standard_normal((2, n_vocab)).astype(np.float32)
     gpu.driver.copy_htod(gpu.workspace.logits, logits)
     sampling = RowSampling.of([Sampler(SamplingParams(temperature=1.0, seed=4)),

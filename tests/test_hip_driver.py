@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rocforge_rt.backends.gpu import cuda, driver, hip
+from rocforge_rt.backends.gpu import cuda, driver, driver_types, hip
 from rocforge_rt.errors import BackendError
 
 DRIVERS = {"cuda": (cuda.CudaDriver, cuda._driver_api), "hip": (hip.HipDriver, hip._hip_api)}
@@ -42,7 +42,7 @@ def binding(vendor: str) -> Any:
 
 
 def test_the_base_calls_exactly_the_declared_primitives() -> None:
-    assert generic_calls() == set(driver.PRIMITIVES)
+    assert generic_calls() == set(driver_types.PRIMITIVES)
 
 
 @pytest.mark.parametrize("vendor", sorted(DRIVERS))

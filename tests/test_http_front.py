@@ -27,7 +27,7 @@ from test_daemon import spawn_serve
 
 from rocforge_client import connect
 from rocforge_rt.cli import main
-from rocforge_rt.server.cli_commands import free_loopback_port
+from rocforge_rt.cli.local_daemon import free_loopback_port
 from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.front_process import FrontProcess, connect_address
@@ -35,7 +35,8 @@ from rocforge_rt.server.http.app import FrontConfig, create_app
 from rocforge_rt.server.http.errors import ApiError
 from rocforge_rt.server.http.openai_requests import chat_request, completion_request
 from rocforge_rt.server.http.transport import FrontServer, TransportLimits, server_config
-from rocforge_rt.server.protocol import Sampling, parse_request
+from rocforge_rt.server.protocol import parse_request
+from rocforge_rt.step.sampling import SamplingParams
 
 CHAT = [  # a short system message: the template's own makes a prompt of 37 tokens, this 24
     {"role": "system", "content": "Be brief."},
@@ -206,7 +207,7 @@ def test_min_p_and_the_penalties_become_the_generate_fields_of_their_names() -> 
     assert {name: fields[name] for name in PENALTIES} == {**PENALTIES, "min_p": 0.0}
     sent = {name: value for name, value in fields.items() if value is not None}  # daemon_link's
     generate = parse_request({"op": "generate", **sent})
-    assert generate.turn.sampling == Sampling(
+    assert generate.turn.sampling == SamplingParams(
         temperature=1.0, top_p=1.0, min_p=0.0, repetition_penalty=1.3, frequency_penalty=1.5,
         presence_penalty=-0.5,
     )  # fmt: skip

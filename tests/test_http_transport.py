@@ -25,19 +25,18 @@ import pytest
 from test_daemon import serving
 from test_http_front import running_front
 
-from rocforge_rt.server.cli_commands import _front_args, free_loopback_port
+from rocforge_rt.cli.local_daemon import free_loopback_port
+from rocforge_rt.cli.serve import _front_args
 from rocforge_rt.server.daemon import Daemon
 from rocforge_rt.server.http.app import FrontConfig
 from rocforge_rt.server.http.command import DEFAULT_MAX_CONNECTIONS, add_http_options
-from rocforge_rt.server.http.middleware import allowed_hosts, host_name
-from rocforge_rt.server.http.transport import (
+from rocforge_rt.server.http.connections import (
     FD_RESERVE,
-    MAX_CONNECTIONS,
     ThrottledLog,
-    TransportLimits,
-    client_eof,
     install_accept_error_handler,
 )
+from rocforge_rt.server.http.middleware import allowed_hosts, host_name
+from rocforge_rt.server.http.transport import MAX_CONNECTIONS, TransportLimits, client_eof
 
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: never whole
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"

@@ -18,7 +18,6 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu_checks import hparams, weight
 
 from rocforge_rt.backends.gpu import kernel_constants
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
 from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, KERNEL_DEFINES, MMV_MAX_ROWS
 from rocforge_rt.backends.gpu.kernel_library import (
@@ -35,24 +35,27 @@ from rocforge_rt.backends.gpu.kernel_library import (
     KernelLibrary,
     kernel_names,
     kernel_signatures,
+    kernel_source,
     kernels_dir,
     struct_fields,
 )
+from rocforge_rt.backends.gpu.kernel_variants import (
+    GENERATED_KERNELS,
+    MMV_SHAPES,
+    generated_source,
+    mmv_shapes,
+    mmv_tiles,
+)
 from rocforge_rt.backends.gpu.launch import ARG_TYPES, LaunchHandle
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.matmul import (
+from rocforge_rt.backends.gpu.matmul import DeviceMatrix
+from rocforge_rt.backends.gpu.matmul_plan import (
     GEMV_BULK_K_MULTIPLE,
-    GEMV_BULK_MIN_N,
-    GEMV_BULK_SHARED,
-    GEMV_CLUSTER_BLOCKS,
-    GEMV_MULTI_ROW_NO,
-    GEMV_ROWS_PER_WARP,
-    MMV_SHAPES,
-    DeviceMatrix,
-    Matmul,
+    DeviceCaps,
+    MatmulTuning,
     gemv_ring,
     gemv_ring_slot_bytes,
-    mmv_tiles,
+    swiglu_blocks_spread,
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
 from rocforge_rt.model.gguf_file import WeightTensor
@@ -72,7 +75,7 @@ GEMV_HEAD = ("ptr", "ptr", "i32", "i32", "ptr", "i32", "ptr", "ptr", "f32", "i32
 def signatures() -> dict[str, tuple[str, ...]]:
     found: dict[str, tuple[str, ...]] = {}
     for name in SOURCES:
-        found.update(kernel_signatures((KERNELS / name).read_text(), HEADERS))
+        found.update(kernel_signatures(kernel_source(KERNELS, name), HEADERS))
     return found
 
 
@@ -106,7 +109,7 @@ def real_compiler():
 # --- signatures ----------------------------------------------------------------------------
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_kernel_parses_to_a_signature_of_launch_argument_types(source: str) -> None:
-    text = (KERNELS / source).read_text()
+    text = kernel_source(KERNELS, source)
     parsed = kernel_signatures(text, HEADERS)
     assert list(parsed) == kernel_names(text)
     for kernel, types in parsed.items():
@@ -228,24 +231,32 @@ def kernels_of_steps_on_a_fake_device(mode: str, kv_dtype: str = "f16") -> set[s
         *[StepBatch.decode([1, 2], [chunk + 1 + i, 3 + i], [0, 1]) for i in range(3)],
         *[StepBatch.decode([1, 2], [chunk + 4 + i, 6 + i], [0, 1], sampled) for i in range(2)],
     ]
-    with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(
-            driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=chunk, mode=mode,
-            batch_invariant=True, kv_dtype=kv_dtype,
-        )  # fmt: skip
-        model = random_model(gpu, hp, np.random.default_rng(1))
-        gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
-        for batch in batches:
-            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
-        gpu.matmul.mmv_min_rows = GEMV_MAX_ROWS + 1  # the multi-row GEMV (an A/B lever)
-        for batch in batches[-2:]:
-            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
-        gpu.matmul.gemv_prequant_min_k = 0  # one row quantized once for every GEMV
-        gpu.run_step(batches[2], lambda b: forward(gpu, model, b), want_logits=True)
-        gpu.attention.fold_kernel_min_tiles = 1  # every decode step folds in its own kernel
-        for batch in batches[2:4]:
-            gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
-        return {kernel for _, kernel, _ in driver.log}
+    b8 = MatmulTuning(mmv_min_rows=GEMV_MAX_ROWS + 1)  # a few rows on the 8-row GEMVs
+    prequantized = dataclasses.replace(b8, gemv_prequant_min_k=0)  # one row quantized once
+    runs = [
+        (batches, MatmulTuning(), AttentionTuning()),
+        (batches[-2:], b8, AttentionTuning()),
+        (batches[2:3], prequantized, AttentionTuning()),
+        # every decode step folds in its own kernel
+        (batches[2:4], prequantized, AttentionTuning(fold_kernel_min_tiles=1)),
+    ]
+    kernels: set[str] = set()
+    for steps, matmul_tuning, attention_tuning in runs:
+        with FakeDriver(signatures()) as driver:
+            gpu = GpuBackend(
+                driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=chunk, mode=mode,
+                batch_invariant=True, kv_dtype=kv_dtype, matmul_tuning=matmul_tuning,
+                attention_tuning=attention_tuning,
+            )  # fmt: skip
+            gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 3
+            run_steps(gpu, random_model(gpu, hp, np.random.default_rng(1)), steps)
+            kernels |= {kernel for _, kernel, _ in driver.log}
+    return kernels
+
+
+def run_steps(gpu: GpuBackend, model: ModelWeights, batches: list[StepBatch]) -> None:
+    for batch in batches:
+        gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
 
 
 def model_weights(
@@ -292,14 +303,17 @@ def zero_model(gpu: GpuBackend, hp) -> ModelWeights:
 
 
 @contextlib.contextmanager
-def fake_h100(hp, mode: str, n_ctx: int = 64) -> Iterator[tuple[GpuBackend, ModelWeights]]:
+def fake_h100(
+    hp, mode: str, n_ctx: int = 64, **options: object
+) -> Iterator[tuple[GpuBackend, ModelWeights]]:
     """A one-slot backend on a fake device of 132 multiprocessors with thread block
-    clusters (an H100's or H200's), with zero weights of shape `hp`."""
+    clusters (an H100's or H200's), with zero weights of shape `hp`; `options` are more of
+    GpuBackend's."""
     with FakeDriver(signatures()) as driver:
         driver.info = dataclasses.replace(driver.info, multiprocessors=132, total_memory=8 << 30)
         driver.supports_clusters = True
         gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=1, n_ctx=n_ctx, max_tokens=4,
-                         mode=mode, batch_invariant=True)  # fmt: skip
+                         mode=mode, batch_invariant=True, **options)  # fmt: skip
         yield gpu, zero_model(gpu, hp)
 
 
@@ -399,8 +413,8 @@ def test_pipelined_decode_past_the_fold_threshold_takes_a_graph_with_a_fold_kern
     step issued ahead of the first such step is not issued (its graph is not captured yet);
     the step that then captures it is followed by steps issued ahead again."""
     hp = hparams(n_vocab=512)
-    with fake_h100(hp, "graph", n_ctx=256) as (gpu, model):
-        gpu.attention.fold_kernel_min_tiles = 2  # from position 64 on
+    folds_from_64 = AttentionTuning(fold_kernel_min_tiles=2)  # from position 64 on
+    with fake_h100(hp, "graph", n_ctx=256, attention_tuning=folds_from_64) as (gpu, model):
         kernels, ahead = [], []
         output = gpu.run_step(StepBatch.decode([1], [61], [0]), lambda b: forward(gpu, model, b),
                               False, ahead=True)  # fmt: skip
@@ -436,22 +450,22 @@ def one_decode_step(hp, **capabilities: bool) -> tuple[list[LaunchHandle], FakeD
 
 
 def test_the_lm_head_takes_the_bulk_kernel_where_the_device_has_bulk_copies() -> None:
-    """Where the device has bulk copies, the one-row Q4_0 GEMVs of at least GEMV_BULK_MIN_N
+    """Where the device has bulk copies, the one-row Q4_0 GEMVs of at least `gemv_bulk_min_n`
     outputs with no epilogue of their own over k a multiple of GEMV_BULK_K_MULTIPLE (here
     the LM head alone) launch their _bulk kernel, with a ring of as many slots a warp as
     fit the device's shared memory a block (48 KiB here: one)."""
-    hp = hparams(n_embd=512, n_head=8, n_head_kv=2, n_vocab=GEMV_BULK_MIN_N)
+    hp = hparams(n_embd=512, n_head=8, n_head_kv=2, n_vocab=MatmulTuning.gemv_bulk_min_n)
     assert hp.n_embd % GEMV_BULK_K_MULTIPLE == 0
     handles, _ = one_decode_step(hp, supports_bulk_copy=True)
     (head,) = [h for h in handles if h.name.endswith("_bulk")]
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[2])[0] == hp.n_vocab
     assert struct.unpack_from("<i", head.packed_bytes, head.layout.offsets[-1])[0] == 1  # ring
-    assert head.shared_bytes <= FAKE_INFO.max_shared_per_block < GEMV_BULK_SHARED
+    assert head.shared_bytes <= FAKE_INFO.max_shared_per_block < MatmulTuning.gemv_bulk_shared
 
 
 def test_the_gate_up_gemv_quantizes_its_row_in_a_cluster_where_the_device_has_clusters() -> None:
     """Where the device has thread block clusters, the one-row gate|up GEMV over a row of
-    2048 columns launches its _cl kernel in clusters of GEMV_CLUSTER_BLOCKS (2), with no
+    2048 columns launches its _cl kernel in clusters of `gemv_cluster_blocks` (2), with no
     rf_quantize_q8_gemv before it; the Q|K|V GEMV and the LM head keep theirs."""
     handles, driver = one_decode_step(hparams(n_embd=2048, n_head=32, n_head_kv=8),
                                       supports_clusters=True)  # fmt: skip
@@ -459,7 +473,7 @@ def test_the_gate_up_gemv_quantizes_its_row_in_a_cluster_where_the_device_has_cl
     clusters = [cluster for *_, cluster in driver.prepared if cluster > 1]
     assert [name for name in launched if name.endswith("_cl")] == ["rf_gemv_q4_0_b1_n2_swiglu_cl"]
     assert launched.count("rf_quantize_q8_gemv") == 2
-    assert clusters == [GEMV_CLUSTER_BLOCKS]
+    assert clusters == [MatmulTuning.gemv_cluster_blocks]
 
 
 def test_a_bulk_gemv_ring_takes_the_slots_its_budget_fits_up_to_the_chunks_a_warp_takes() -> None:
@@ -502,9 +516,10 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
     monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
     hp = hparams(n_vocab=8192)
     with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK)
+        every_size = MatmulTuning(vendor_min_flop=0)  # this small model's matmuls too
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK,
+                         matmul_tuning=every_size)  # fmt: skip
         assert not gpu.batch_invariant
-        gpu.matmul.vendor_min_flop = 0  # this small model's matmuls too
         model = random_model(gpu, hp, np.random.default_rng(1))
         batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
         gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
@@ -531,16 +546,17 @@ def test_a_prompt_chunk_on_the_vendor_gemm_multiplies_each_matrix_once_over_its_
 
 
 def test_matmuls_below_vendor_min_flop_take_the_int8_gemm(monkeypatch: pytest.MonkeyPatch):
-    """Not batch invariant, a prompt chunk's matmul takes the vendor GEMM from VENDOR_MIN_FLOP
+    """Not batch invariant, a prompt chunk's matmul takes the vendor GEMM from `vendor_min_flop`
     on; smaller ones (here: 70 rows x the LM head of 8192 x 576 = 0.66 GFLOP) the int8 GEMM."""
     blas = RecordingGemm()
     monkeypatch.setattr("rocforge_rt.backends.gpu.backend.open_vendor_gemm", lambda *a: blas)
     hp = hparams(n_vocab=8192)
     with FakeDriver(signatures()) as driver:
-        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK)
+        head_flop = 2 * CHUNK * 8192 * 576  # the LM head's, the biggest
+        gpu = GpuBackend(driver, FakeCompiler(), hp, n_slots=2, n_ctx=128, max_tokens=CHUNK,
+                         matmul_tuning=MatmulTuning(vendor_min_flop=head_flop))  # fmt: skip
         model = random_model(gpu, hp, np.random.default_rng(1))
         batch = StepBatch.prefill(list(range(CHUNK)), 0, 0, "all")
-        gpu.matmul.vendor_min_flop = 2 * CHUNK * 8192 * 576  # the LM head's, the biggest
         gpu.run_step(batch, lambda b: forward(gpu, model, b), want_logits=True)
         kernels = [kernel for _, kernel, _ in driver.log]
     assert {c["out_pitch"] for c in blas.calls} == {8192}  # the LM head alone (in slabs)
@@ -548,37 +564,32 @@ def test_matmuls_below_vendor_min_flop_take_the_int8_gemm(monkeypatch: pytest.Mo
     assert kernels.count("rf_gemm_q4_0") == 4  # Q|K|V, O, gate|up, down
 
 
-def test_every_mmv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
-    declared = set(kernel_names((KERNELS / "gemm.hip").read_text()))
-    wanted = {
-        f"rf_mmv_{fmt}_t{tw}_k{ks}_m{ms}{variant}"
-        for (fmt, variant) in GEMV_ROWS_PER_WARP
-        for shapes in MMV_SHAPES.values()
-        for tw, ks, ms in shapes
-    }
-    assert wanted <= declared, sorted(wanted - declared)
-    assert all(tw * ms == tiles for tiles, shapes in MMV_SHAPES.items() for tw, _, ms in shapes)
+def test_every_mmv_shape_is_declared_for_its_tiles_up_to_the_mmv_rows() -> None:
+    assert all(mmv_shapes(tiles) for tiles in (1, 2, 4, 8))
+    assert {s.tiles for s in MMV_SHAPES} == {1, 2, 4, 8}
     assert 8 * mmv_tiles(MMV_MAX_ROWS) == MMV_MAX_ROWS
 
 
-def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
-    declared = set(kernel_names((KERNELS / "gemv.hip").read_text()))
-    wanted = {
-        f"rf_gemv_{fmt}_b1_n{no}{variant}"
-        for (fmt, variant), choices in GEMV_ROWS_PER_WARP.items()
-        for no in choices
-    }
-    wanted |= {
-        f"rf_gemv_{fmt}_b1_n{no}_swiglu_q8"
-        for fmt in ("q4_0", "q8_0")
-        for no in GEMV_ROWS_PER_WARP[(fmt, "_swiglu")]
-    }
-    wanted |= {f"rf_gemv_{fmt}_b{GEMV_MAX_ROWS}_n{GEMV_MULTI_ROW_NO[variant]}"
-               f"{variant}" for fmt, variant in GEMV_ROWS_PER_WARP}  # fmt: skip
-    wanted |= {f"rf_gemv_q4_0_b1_n{no}_bulk" for no in GEMV_ROWS_PER_WARP[("q4_0", "")]}
-    wanted |= {f"rf_gemv_q4_0_b1_n{no}_swiglu{q8}_cl"
-               for no in GEMV_ROWS_PER_WARP[("q4_0", "_swiglu")] for q8 in ("", "_q8")}  # fmt: skip
-    assert wanted <= declared, sorted(wanted - declared)
+@pytest.mark.parametrize("source", sorted(GENERATED_KERNELS))
+def test_every_generated_kernel_is_declared_once_after_its_source(source: str) -> None:
+    """A source's table rows are appended to it as kernels of distinct names, after the
+    file's own (so a compile error's line numbers are the file's)."""
+    rows = GENERATED_KERNELS[source]
+    own = kernel_names((KERNELS / source).read_text())
+    assert kernel_names(kernel_source(KERNELS, source)) == own + [k.name for k in rows]
+    assert len({k.name for k in rows}) == len(rows)
+    assert generated_source(source).count("RF_KERNEL_BOUNDS(") == len(rows)
+
+
+def test_the_generated_kernels_are_part_of_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library = KernelLibrary(FakeCompiler(), cache_dir=tmp_path)
+    before = library.load("rope_kv.hip")
+    rows = {**GENERATED_KERNELS, "rope_kv.hip": GENERATED_KERNELS["rope_kv.hip"][:1]}
+    monkeypatch.setattr("rocforge_rt.backends.gpu.kernel_variants.GENERATED_KERNELS", rows)
+    after = library.load("rope_kv.hip")
+    assert after.key != before.key and after.kernels == before.kernels[:1]
 
 
 @pytest.mark.parametrize(
@@ -589,13 +600,10 @@ def test_every_gemv_kernel_the_launch_heuristic_can_pick_is_declared() -> None:
 def test_a_gate_up_quantizes_for_the_down_projection_where_its_32_blocks_spread_evenly(
     n_ff: int, spread: bool
 ) -> None:
-    info = dataclasses.replace(FAKE_INFO, multiprocessors=132)
-    driver = SimpleNamespace(info=info, supports_bulk_copy=False, supports_clusters=False)
-    matmul = Matmul(driver, SimpleNamespace(launch=None), None, None, n_ctx=1, max_tokens=1,
-                    vendor_gemm=None)  # fmt: skip
-    assert matmul.swiglu_blocks_spread(n_ff) == spread
-    matmul.gemv_prequant_min_k = n_ff + 1  # the down projection's blocks quantize it
-    assert not matmul.swiglu_blocks_spread(n_ff)
+    caps = DeviceCaps(32, 132, 48 << 10, clusters=False, bulk_copy=False)
+    assert swiglu_blocks_spread(n_ff, caps, MatmulTuning()) == spread
+    # the down projection's blocks quantize it
+    assert not swiglu_blocks_spread(n_ff, caps, MatmulTuning(gemv_prequant_min_k=n_ff + 1))
 
 
 # --- constants -----------------------------------------------------------------------------

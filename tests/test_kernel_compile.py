@@ -20,6 +20,7 @@ from rocforge_rt.backends.gpu.kernel_library import (
     KernelLibrary,
     elf_function_symbols,
     kernel_names,
+    kernel_source,
     kernels_dir,
 )
 from rocforge_rt.errors import BackendError, KernelCompileError
@@ -165,7 +166,7 @@ def test_source_compiles_to_elf(built: Callable[[str, str], CodeObject], arch: s
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_targets_export_declared_kernels(built: Callable[[str, str], CodeObject], source: str):
-    declared = set(kernel_names((KERNELS / source).read_text()))
+    declared = set(kernel_names(kernel_source(KERNELS, source)))
     assert declared, f"{source} declares no RF_KERNEL"
     exported = {arch: elf_function_symbols(built(arch, source).code) for arch in TARGETS}
     for arch, names in exported.items():
@@ -312,7 +313,8 @@ def test_every_kernel_waits_for_the_previous_kernel(source: str) -> None:
     """Kernels may be launched to overlap their predecessor (programmatic dependent
     launch), so each must reach rf_pdl_wait/rf_pdl_begin, itself or through a helper."""
     text = "\n".join(
-        (KERNELS / name).read_text() for name in (source, "rf_q8.h", "rf_rope.h", HEADER)
+        [kernel_source(KERNELS, source)]
+        + [(KERNELS / name).read_text() for name in ("rf_q8.h", "rf_rope.h", HEADER)]
     )
     bodies = function_bodies(text)
 
@@ -324,7 +326,7 @@ def test_every_kernel_waits_for_the_previous_kernel(source: str) -> None:
         called = set(re.findall(r"\b(\w+)\s*(?:<[^;{}()]*>)?\s*\(", body)) & set(bodies)
         return any(waits(callee, seen) for callee in called - seen)
 
-    missing = [k for k in kernel_names((KERNELS / source).read_text()) if not waits(k, set())]
+    missing = [k for k in kernel_names(kernel_source(KERNELS, source)) if not waits(k, set())]
     assert not missing, f"{source}: {missing} never call rf_pdl_wait"
 
 

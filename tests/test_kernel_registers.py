@@ -3,7 +3,7 @@
 import pytest
 from script_modules import load_script
 
-from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernel_names
+from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernel_names, kernel_source
 from rocforge_rt.errors import BackendError
 
 LOG = """\
@@ -39,5 +39,5 @@ def test_every_kernel_of_a_source_is_reported_within_the_register_file():
         pytest.skip(f"no NVRTC: {exc}")
     library = KernelLibrary(compiler)
     found = script.source_resources(library, "embedding.hip")
-    assert set(found) == set(kernel_names((library.source_dir / "embedding.hip").read_text()))
+    assert set(found) == set(kernel_names(kernel_source(library.source_dir, "embedding.hip")))
     assert all(1 <= r.registers <= 255 for r in found.values()), found

@@ -1,6 +1,9 @@
-"""The wire protocol: request schemas, limits and error codes, without sockets."""
+"""The wire protocol: request schemas, their structs, limits and error codes, without sockets."""
 
+import ast
+import dataclasses
 import math
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -8,12 +11,25 @@ import pytest
 
 from rocforge_rt.server.jobs import Limits
 from rocforge_rt.server.protocol import (
-    MAX_PENALTY,
     OPS,
+    STRUCTS,
+    Abort,
+    Append,
+    Close,
     ErrorCode,
+    Generate,
+    Health,
+    Info,
+    Metrics,
+    Open,
+    Profile,
     Prompt,
     ProtocolError,
-    Sampling,
+    Request,
+    Stats,
+    Step,
+    Trace,
+    Turn,
     error_reply,
     max_array_items,
     ok_reply,
@@ -24,7 +40,17 @@ from rocforge_rt.server.protocol import (
     unpack,
 )
 from rocforge_rt.server.translate import turn_args
-from rocforge_rt.step.sampling import MAX_FREQUENCY_PENALTY, SamplingParams
+from rocforge_rt.step.sampling import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    SAMPLING_BOUNDS,
+    SEED_MAX,
+    SamplingParams,
+)
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -77,7 +103,7 @@ def test_open_with_text_sampling_and_stop_strings() -> None:
     )
     assert request.op == "open" and request.id == "r-1" and request.deadline_ms == 500.0
     assert request.turn.prompt == Prompt(text="Hello")
-    assert request.turn.sampling == Sampling(0.7, 40, 0.9, 3, 2)
+    assert request.turn.sampling == SamplingParams(0.7, 40, 0.9, 3, 2)
     assert request.turn.stop == ("\n\n", "User:")
     assert request.turn.max_tokens == 16
 
@@ -90,7 +116,7 @@ PENALTIES = {"min_p": 0.05, "repetition_penalty": 1.1, "frequency_penalty": -0.5
 def test_every_turn_takes_min_p_and_the_penalties(op: str) -> None:
     session = {"session": 1} if op == "append" else {}
     turn = parse_request({"op": op, **session, "tokens": [1], **PENALTIES}).turn
-    assert turn.sampling == Sampling(
+    assert turn.sampling == SamplingParams(
         min_p=0.05, repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=2.0
     )
     assert isinstance(turn.sampling.presence_penalty, float)
@@ -104,6 +130,7 @@ def test_a_turns_sampling_reaches_the_engine_as_sampling_params() -> None:
     limits = Limits(n_ctx=64, max_sessions=1, max_prompt_tokens=32, max_new_tokens=8,
                     idle_timeout_s=60.0)  # fmt: skip
     args = turn_args(limits, 256, request.turn, [1])
+    assert args["sampling"] is request.turn.sampling
     assert args["sampling"] == SamplingParams(
         temperature=0.7, top_k=40, top_p=0.9, seed=3, logprobs=2, min_p=0.05,
         repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=2.0,
@@ -112,14 +139,10 @@ def test_a_turns_sampling_reaches_the_engine_as_sampling_params() -> None:
     assert neutral["sampling"] == SamplingParams() and not neutral["sampling"].penalized
 
 
-def test_the_wire_bounds_the_penalties_as_the_engine_does() -> None:
-    assert MAX_PENALTY == MAX_FREQUENCY_PENALTY
-
-
 def test_defaults_are_greedy_without_limits_of_their_own() -> None:
     turn = parse_request({"op": "open", "tokens": [1, 2, 3]}).turn
     assert turn.prompt.tokens == (1, 2, 3)
-    assert turn.sampling == Sampling() and turn.stop == () and turn.max_tokens is None
+    assert turn.sampling == SamplingParams() and turn.stop == () and turn.max_tokens is None
 
 
 def test_chat_messages_and_a_single_stop_string() -> None:
@@ -355,3 +378,98 @@ def test_replies_round_trip() -> None:
     assert ok == {"id": 3, "ok": True, "session": 1}
     error = msgpack.unpackb(pack(error_reply("x", ErrorCode.BUSY, "full")))
     assert error == {"id": "x", "ok": False, "error": {"code": "busy", "message": "full"}}
+
+
+# --- one struct an op ---------------------------------------------------------------------
+TOKENS = Turn(Prompt(tokens=(1,)))
+
+
+@pytest.mark.parametrize(
+    ("request_map", "struct"),
+    [
+        ({"op": "info"}, Info()),
+        ({"op": "health", "id": 3}, Health(id=3)),
+        ({"op": "metrics"}, Metrics()),
+        ({"op": "open", "tokens": [1], "deadline_ms": 5}, Open(turn=TOKENS, deadline_ms=5.0)),
+        ({"op": "append", "session": 1, "token": "t", "tokens": [1]},
+         Append(session=1, token="t", turn=TOKENS)),
+        ({"op": "step", "id": 17, "session": 3, "token": "t", "n": 2},
+         Step(id=17, session=3, token="t", n=2)),
+        ({"op": "generate", "tokens": [1]}, Generate(turn=TOKENS)),
+        ({"op": "generate", "session": 4}, Generate(session=4)),
+        ({"op": "abort", "request": "g-1"}, Abort(request="g-1")),
+        ({"op": "close", "session": 2}, Close(session=2)),
+        ({"op": "stats", "reset": True, "records": 5}, Stats(reset=True, records=5)),
+        ({"op": "trace", "steps": 8, "operator_key": "k"}, Trace(steps=8, operator_key="k")),
+        ({"op": "profile", "every": 4}, Profile(every=4)),
+    ],
+    ids=lambda value: value.get("op") if isinstance(value, dict) else None,
+)  # fmt: skip
+def test_a_valid_request_parses_to_its_ops_struct(request_map: dict, struct: Request) -> None:
+    parsed = parse_request(request_map)
+    assert parsed == struct and type(parsed) is type(struct)
+    assert parsed.op == request_map["op"]
+
+
+def test_every_op_has_a_struct_whose_fields_are_its_wire_fields() -> None:
+    """A struct holds its op's wire fields by their names; a turn's fields are in `turn`."""
+    turn_fields = set(OPS["open"])
+    assert set(STRUCTS) == set(OPS)
+    for op, struct in STRUCTS.items():
+        fields = {f.name for f in dataclasses.fields(struct)}
+        wire = set(OPS[op]) | {"id", "deadline_ms"}
+        if wire >= turn_fields:
+            wire = wire - turn_fields | {"turn"}
+        assert fields == wire, op
+
+
+def test_a_request_struct_is_frozen() -> None:
+    step = parse_request({"op": "step", "session": 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.n = 5  # type: ignore[misc]
+
+
+def test_a_sampling_field_refused_on_the_wire_reads_as_before() -> None:
+    """The wire's messages name the field, the bounds and the value as found."""
+    assert rejected({"op": "open", "tokens": [1], "top_p": 0}).message == (
+        f"field 'top_p': expected a number in [{FLOAT32_TINY}, 1.0], found float 0.0"
+    )
+    assert rejected({"op": "open", "tokens": [1], "presence_penalty": 3}).message == (
+        f"field 'presence_penalty': expected 0 or a number in [-2.0, -{FLOAT32_TINY}] or"
+        f" [{FLOAT32_TINY}, 2.0], found float 3.0"
+    )
+    assert rejected({"op": "open", "tokens": [1], "top_k": 2**31}).message == (
+        "field 'top_k': expected an integer in [0, 2147483647], found int 2147483648"
+    )
+
+
+# --- each limit defined once ---------------------------------------------------------------
+def test_the_wire_bounds_sampling_by_step_samplings_constants() -> None:
+    """The one table of sampling bounds: device types (int32, normal float32) and ranges."""
+    assert float(np.finfo(np.float32).tiny) == FLOAT32_TINY
+    assert float(np.finfo(np.float32).max) == FLOAT32_MAX
+    assert INT32_MAX == 2**31 - 1 and SEED_MAX == 2**64 - 1
+    bounds = SAMPLING_BOUNDS
+    assert (bounds["temperature"].lo, bounds["temperature"].hi) == (FLOAT32_TINY, MAX_TEMPERATURE)
+    assert bounds["top_k"].hi == INT32_MAX and bounds["seed"].hi == SEED_MAX
+    assert bounds["logprobs"].hi == MAX_LOGPROBS
+    assert bounds["repetition_penalty"].hi == FLOAT32_MAX
+    for name in ("frequency_penalty", "presence_penalty"):
+        assert (bounds[name].lo, bounds[name].hi) == (FLOAT32_TINY, MAX_PENALTY)
+
+
+SHARED_LIMITS = {"FLOAT32_TINY", "FLOAT32_MAX", "INT32_MAX", "SEED_MAX", "MAX_PENALTY",
+                 "MAX_LOGPROBS", "MAX_TEMPERATURE", "MAX_TOKENS_FIELD"}  # fmt: skip
+
+
+def test_each_shared_limit_is_assigned_in_one_module_only() -> None:
+    package = Path(__file__).resolve().parents[1] / "rocforge_rt"
+    where: dict[str, list[str]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id in SHARED_LIMITS:
+                        where.setdefault(target.id, []).append(str(path.relative_to(package)))
+    assert {name: len(paths) for name, paths in where.items()} == dict.fromkeys(SHARED_LIMITS, 1)

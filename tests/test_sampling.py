@@ -11,6 +11,8 @@ from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.step.sampling import (
     GREEDY,
     PENALTY_WINDOW,
+    SAMPLING_BOUNDS,
+    Bounds,
     RowSampling,
     Sampler,
     SamplingParams,
@@ -155,12 +157,62 @@ def test_sample_row_is_what_a_sampler_draws():
         {"repetition_penalty": 0.0},
         {"frequency_penalty": 2.5},
         {"presence_penalty": -2.5},
+        # what the device cannot hold: top_k is its int32, the others float32, and it divides
+        # by the temperature and the repetition penalty; a step reads its rows back as float32
+        {"top_k": 2**31},
+        {"top_p": 1e-46},  # 0 in float32
+        {"temperature": 1e-46},  # 0 in float32, not greedy: a division by 0
+        {"temperature": float("inf")},
+        {"repetition_penalty": 1e-46},
+        {"repetition_penalty": 1e39},  # inf in float32: every logit / inf
+        {"min_p": 1e-40},  # float32 subnormals: the device's arithmetic may flush them to 0
+        {"frequency_penalty": -1e-40},
+        {"presence_penalty": 1e-46},
+        {"top_k": 1.5},
+        {"logprobs": True},
     ],
 )
 def test_invalid_parameters_are_rejected_with_their_name(kwargs):
+    """SamplingParams checks every value as it is built (SAMPLING_BOUNDS, the wire's own
+    bounds): no engine, backend or device ever sees one it cannot hold."""
     with pytest.raises(EngineError, match=next(iter(kwargs))) as info:
         SamplingParams(**kwargs)
     assert info.value.code is EngineErrorCode.INVALID_ARGUMENT
+
+
+def test_the_bounds_of_each_parameter_are_its_largest_and_smallest_values() -> None:
+    for name, bounds in SAMPLING_BOUNDS.items():
+        for value in (bounds.lo, bounds.hi):
+            SamplingParams(**{name: value})
+    assert SamplingParams(seed=None).seed is None  # a random seed a turn
+
+
+@pytest.mark.parametrize(
+    ("bounds", "held", "refused"),
+    [
+        (Bounds(0, 20, integer=True), [0, 20], [-1, 21, 1.0, True, "1", None]),
+        (Bounds(0.5, 1.0), [0.5, 1, 1.0], [0.4, 1.01, 0, float("nan"), float("inf"), False]),
+        (Bounds(0.5, 1.0, or_zero=True), [0, -0.0, 0.5], [0.25, -0.5]),
+        (Bounds(0.5, 2.0, or_zero=True, signed=True), [0, -2, -0.5, 2.0], [-0.25, 0.25, 2.5]),
+        (Bounds(0.0, 1.0, open_lo=True), [1e-300, 1.0], [0.0, -1.0]),
+    ],
+)  # fmt: skip
+def test_bounds_admit_numbers_within_them_as_floats(bounds: Bounds, held: list, refused: list):
+    for value in held:
+        admitted = bounds.admit(value)
+        assert admitted == value and type(admitted) is (int if bounds.integer else float)
+    assert math.copysign(1.0, Bounds(0.5, 1.0, or_zero=True).admit(-0.0)) == 1.0  # -0.0 is 0.0
+    for value in refused:
+        assert bounds.admit(value) is None, value
+
+
+def test_bounds_say_what_they_take() -> None:
+    assert Bounds(0, 20, integer=True).expected == "an integer in [0, 20]"
+    assert Bounds(0.5, 1.0, or_zero=True).expected == "0 or a number in [0.5, 1.0]"
+    assert Bounds(0.5, 2.0, or_zero=True, signed=True).expected == (
+        "0 or a number in [-2.0, -0.5] or [0.5, 2.0]"
+    )
+    assert Bounds(0.0, 9, open_lo=True).expected == "a number in (0.0, 9]"
 
 
 # --- penalties and min-p ----------------------------------------------------------------

@@ -7,20 +7,28 @@ from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.server.jobs import CancelCause, Finished, Job, JobState
 from rocforge_rt.server.policy import Emit, StepPolicy
-from rocforge_rt.server.protocol import Prompt, Request, Turn
+from rocforge_rt.server.protocol import Append, Generate, Open, Prompt, Step, Turn
 
 TURN = Turn(Prompt(tokens=(1, 2, 3)))
 
 
 def new_turn(op: str) -> Job:
     """An open, append or one-shot generate: it prefills a prompt first."""
-    session = 1 if op == "append" else None
-    return Job(Request(op=op, id=op, session=session, turn=TURN), (b"peer",), 0.0)
+    request = {
+        "open": Open(id=op, turn=TURN),
+        "append": Append(id=op, session=1, turn=TURN),
+        "generate": Generate(id=op, turn=TURN),
+    }[op]
+    return Job(request, (b"peer",), 0.0)
 
 
 def on_session(op: str, *, n: int = 1, deadline_ms: float | None = None) -> Job:
     """A step (n tokens) or a generate on an open session: it decodes from the start."""
-    request = Request(op=op, id=op, session=1, n=n, deadline_ms=deadline_ms)
+    request = (
+        Step(id=op, session=1, n=n, deadline_ms=deadline_ms)
+        if op == "step"
+        else Generate(id=op, session=1, deadline_ms=deadline_ms)
+    )
     return Job(request, (b"peer",), 0.0)
 
 
@@ -45,7 +53,7 @@ def test_an_idle_policy_runs_nothing(policy: StepPolicy) -> None:
 
 
 def test_prompts_arriving_together_share_a_step_oldest_first_within_the_budget(policy) -> None:
-    first, second, third = (Job(Request(op="generate", id=i, turn=TURN), (b"peer",), 0.0)
+    first, second, third = (Job(Generate(id=i, turn=TURN), (b"peer",), 0.0)
                             for i in ("a", "b", "c"))  # fmt: skip
     for job in (first, second, third):
         policy.queue_prefill(job)

@@ -161,7 +161,8 @@ def test_the_wheel_holds_the_two_packages_and_every_kernel_source(wheel: Path) -
     assert kernels == KERNEL_FILES
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "rocforge_rt").rglob("*.py")}
     assert modules <= set(names), f"left out: {sorted(modules - set(names))}"
-    assert "rocforge_client/__init__.py" in names
+    clients = {f"rocforge_client/{p.name}" for p in (ROOT / "clients").glob("*.py")}
+    assert clients <= set(names), f"left out: {sorted(clients - set(names))}"
 
 
 def test_installed_it_runs_outside_the_checkout_and_writes_nothing_beside_itself(

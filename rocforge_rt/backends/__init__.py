@@ -1,15 +1,17 @@
 """Device backends: the CPU reference and the GPU drivers behind one interface."""
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from rocforge_rt.backends.contract import Backend, BackendCaps, BackendOptions
 from rocforge_rt.dirs import point_numba_cache
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
 
 if TYPE_CHECKING:
+    from rocforge_rt.backends.gpu.driver import Driver
     from rocforge_rt.backends.gpu.kernel_library import Compiler
+
+__all__ = ["Backend", "BackendCaps", "BackendOptions", "create_backend"]
 
 # numba caches the CPU kernels in the user cache folder (rocforge_rt/dirs.py), not beside the
 # package (site-packages, where installed); NUMBA_CACHE_DIR in the environment wins. Set here,
@@ -18,16 +20,6 @@ point_numba_cache()
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "hip")
 KERNEL_TARGETS = ("sm_90", "gfx90a", "gfx1030")  # what `rocforge kernels check` builds for
-
-
-class Backend(Protocol):
-    """What the engine needs of a backend: weight upload, forward ops, results to host."""
-
-    name: str
-    ragged_steps: bool  # whether one forward pass may mix several sequences' prompt chunks
-
-    def device_info(self) -> dict[str, object]: ...
-    def to_host(self, values: Any) -> np.ndarray: ...
 
 
 def resolve_backend_name(name: str) -> str:
@@ -48,9 +40,9 @@ def resolve_backend_name(name: str) -> str:
 def weights_memory_bytes(name: str, stacks: Any) -> int:
     """Bytes a resolved backend holds for a model's weights, given as the tuples of tensors
     it takes together (`step.forward.held_together`): the CPU backend's own layout
-    (`cpu.held_bytes`), a GPU's the file's bytes."""
+    (`cpu_weights.held_bytes`), a GPU's the file's bytes."""
     if name == "cpu":
-        from rocforge_rt.backends.cpu import held_bytes
+        from rocforge_rt.backends.cpu_weights import held_bytes
 
         return sum(held_bytes(stack) for stack in stacks)
     return sum(t.nbytes for stack in stacks for t in stack)
@@ -67,30 +59,33 @@ def device_memory_bytes(name: str) -> int:
     return (cuda if name == "cuda" else hip).device_memory()
 
 
-def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **options: Any) -> Any:
-    """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool.
-
-    Options: `kv_dtype` ('f16', the default, or 'fp8': the KV pool's elements,
-    `step/kv_format.py`) for every backend; `activations` ('q8' or 'f32') and `threads`
-    (None: the physical cores) for the CPU; `max_tokens`, `mode`
-    (per-kernel-sync, deferred, graph), `overlap` (programmatic dependent launch, on by
-    default where the device has it), `batch_invariant` (prompt chunks on the int8
-    GEMM instead of the vendor GEMM) and `lookahead` (pipelined decode in graph mode, on by
-    default) for the GPU backends. The CPU backend is batch invariant whatever
-    `batch_invariant` says, and takes no part in pipelined decode here (it would only compute
-    dropped rows: CpuBackend's own `lookahead` is for the engine's tests).
-    """
+def create_backend(
+    name: str,
+    hparams: HParams,
+    *,
+    n_slots: int,
+    n_ctx: int,
+    options: BackendOptions | None = None,
+) -> Backend:
+    """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool,
+    built with `options` (each field says which backends honour it; None: the defaults)."""
+    options = options or BackendOptions()
     resolved = resolve_backend_name(name)
     if resolved == "cpu":
         from rocforge_rt.backends.cpu import CpuBackend
 
-        options.pop("batch_invariant", None)
-        options.pop("lookahead", None)
-        options.pop("max_tokens", None)
-        return CpuBackend(hparams, n_slots, n_ctx, **options)
+        return CpuBackend(
+            hparams,
+            n_slots,
+            n_ctx,
+            activations=options.activations,
+            threads=options.threads,
+            kv_dtype=options.kv_dtype,
+        )
     from rocforge_rt.backends.gpu.backend import GpuBackend
 
-    options.pop("threads", None)  # the host's threads: the CPU backend's option
+    driver: Driver
+    compiler: Compiler
     if resolved == "cuda":
         from rocforge_rt.backends.gpu.cuda import CudaDriver, NvrtcCompiler
 
@@ -101,7 +96,21 @@ def create_backend(name: str, hparams: HParams, *, n_slots: int, n_ctx: int, **o
 
         driver = HipDriver()
         compiler = HiprtcCompiler(driver.info.arch, warp_size=driver.info.warp_size)
-    return GpuBackend(driver, compiler, hparams, n_slots=n_slots, n_ctx=n_ctx, **options)
+    return GpuBackend(
+        driver,
+        compiler,
+        hparams,
+        n_slots=n_slots,
+        n_ctx=n_ctx,
+        max_tokens=options.max_tokens,
+        mode=options.mode,
+        overlap=options.overlap,
+        batch_invariant=options.batch_invariant,
+        lookahead=options.lookahead,
+        kv_dtype=options.kv_dtype,
+        matmul_tuning=options.matmul_tuning,
+        attention_tuning=options.attention_tuning,
+    )
 
 
 def kernel_compiler(target: str) -> "Compiler":

@@ -1,8 +1,10 @@
 """One sequence being generated: its KV slot, pending tokens, sampler and stop rules."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rocforge_rt.engine.stopping import FinishReason, StopStringFilter
+from rocforge_rt.errors import EngineError, EngineErrorCode
 from rocforge_rt.model.tokenizer import TextStream
 from rocforge_rt.step.sampling import SampledToken, Sampler
 
@@ -16,6 +18,30 @@ class TokenEvent:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
     finish_reason: FinishReason | None
+
+
+def check_turn(
+    tokens: Sequence[int], n_context: int, max_tokens: int, n_vocab: int, n_ctx: int
+) -> None:
+    """EngineError unless a turn of `tokens` (token ids below n_vocab) after n_context tokens
+    leaves room in a context of n_ctx (CONTEXT_FULL) and asks for at least one token."""
+    if not tokens:
+        raise EngineError(EngineErrorCode.INVALID_ARGUMENT, "a turn needs at least one token")
+    if max_tokens < 1:
+        raise EngineError(
+            EngineErrorCode.INVALID_ARGUMENT, f"max_tokens must be >= 1, got {max_tokens}"
+        )
+    bad = [t for t in tokens if not 0 <= t < n_vocab]
+    if bad:
+        raise EngineError(
+            EngineErrorCode.INVALID_ARGUMENT,
+            f"token id {bad[0]} is outside the vocabulary [0, {n_vocab})",
+        )
+    if n_context + len(tokens) >= n_ctx:
+        raise EngineError(
+            EngineErrorCode.CONTEXT_FULL,
+            f"{n_context} tokens in context + {len(tokens)} new leave no room in ctx size {n_ctx}",
+        )
 
 
 class Session:

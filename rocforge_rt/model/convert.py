@@ -43,13 +43,11 @@ from rocforge_rt.errors import ModelFormatError
 from rocforge_rt.model.gguf_file import (
     LINEAR_SUFFIXES,
     ModelFile,
-    TensorOut,
     WeightTensor,
-    copy_metadata,
     model_from_reader,
     open_gguf,
-    write_gguf,
 )
+from rocforge_rt.model.gguf_writer import TensorOut, copy_metadata, write_gguf
 from rocforge_rt.model.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType

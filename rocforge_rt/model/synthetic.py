@@ -40,14 +40,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValue, GGUFValueType, LlamaFileType
 
 from rocforge_rt.model import kquants
-from rocforge_rt.model.gguf_file import (
-    LINEAR_SUFFIXES,
-    ROPE_FREQS,
-    TensorOut,
-    open_gguf,
-    write_gguf,
-)
+from rocforge_rt.model.gguf_file import LINEAR_SUFFIXES, ROPE_FREQS, open_gguf
 from rocforge_rt.model.gguf_metadata import field_value
+from rocforge_rt.model.gguf_writer import TensorOut, write_gguf
 from rocforge_rt.model.spm import CONTROL, NORMAL, UNUSED
 from rocforge_rt.model.tokenizer import BYTE_LEVEL_CHARS
 

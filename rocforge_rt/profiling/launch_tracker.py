@@ -21,7 +21,8 @@ from typing import Any
 
 from rocforge_rt.profiling.recent import Recent
 
-# Flags in `snapshot`. A driver-API launch from Python costs ~5 us of CPU (measured on an H200):
+# Flags in `snapshot`, set about twice a driver-API launch's usual host cost from Python
+# (docs/performance.md, "Reference costs"):
 HIGH_OVERHEAD_US = 10.0  # a kernel whose mean launch time is over this is flagged high_overhead
 HIGH_VARIANCE_CV = 1.0  # std / mean over this (with 10+ launches) is flagged high_variance
 MIN_LAUNCHES_FOR_VARIANCE = 10

@@ -16,7 +16,7 @@ Actions and the thresholds they use (also in the README):
   over at least ARG_CACHE_MIN_LOOKUPS lookups.
 - `fuse_or_batch` (kernel): launched at least FUSE_MIN_CALLS_PER_STEP times per step
   with a mean GPU time under SMALL_KERNEL_GPU_US: each launch costs about as much
-  as its work, in a graph too (~2.7 us of GPU time per small kernel, measured on an H200).
+  as its work, in a graph too (a small kernel's fixed GPU cost: docs/performance.md).
 - `check_launch_cost` (kernel): the launch tracker flagged high_overhead or
   high_variance (see launch_tracker.py) outside graph replay.
 - `no_action` (kernel): none of the above.

@@ -99,7 +99,6 @@ class EngineLoop:
         self._stopping = False
         self._stop_requested = threading.Event()  # heard while loading, too
         self._out: zmq.Socket | None = None  # created on the engine thread, used only there
-        self._runtime_stats: Callable[[], dict[str, Any]] | None = None
         self._next_runtime_stats = 0.0
         self._reset_requested = threading.Event()
         self.engine: Engine | None = None
@@ -176,7 +175,6 @@ class EngineLoop:
         self.op_timer = OpTimer(engine.ops)
         engine.ops = self.op_timer
         self.engine = engine
-        self._runtime_stats = getattr(engine.backend, "runtime_stats", None)
         started = time.perf_counter()
         self._warm_up()
         self.op_timer.reset()
@@ -239,9 +237,7 @@ class EngineLoop:
         its step graph per batch size), before `ready`; LoadCancelled between steps when
         asked to stop."""
         engine = self.engine
-        prepare = getattr(engine.backend, "warm_up", None)  # the CPU's: compiles its kernels
-        if prepare is not None:
-            prepare()
+        engine.backend.warm_up()
         token = engine.tokenizer.bos_id if engine.tokenizer and engine.tokenizer.bos_id else 0
         n_slots = engine.slots.n_slots
         sessions = [engine.open_session([token], max_tokens=n_slots + 1) for _ in range(n_slots)]
@@ -364,9 +360,9 @@ class EngineLoop:
                 if event is not None:
                     lifecycle.deliver(job, event, policy.after_prefill(job, event))
         now = time.perf_counter()
-        if decode and self._runtime_stats is not None and now >= self._next_runtime_stats:
+        if decode and now >= self._next_runtime_stats:
             self._next_runtime_stats = now + RUNTIME_STATS_INTERVAL_S
-            self.runtime_stats = self._runtime_stats()
+            self.runtime_stats = self.engine.backend.runtime_stats()
         return kind, engine_ns
 
     def _engine_failed(self, jobs: Sequence[Job], exc: Exception) -> None:
@@ -393,10 +389,9 @@ class EngineLoop:
                 log.exception("ending request %r failed", job.request.id)
 
     def _reset_runtime_stats(self) -> None:
-        reset = getattr(self.engine.backend, "reset_runtime_stats", None)
-        if reset is not None and self._runtime_stats is not None:
-            reset()
-            self.runtime_stats = self._runtime_stats()
+        backend = self.engine.backend
+        backend.reset_runtime_stats()
+        self.runtime_stats = backend.runtime_stats()
 
     def _flush(self) -> bool:
         """Send the replies made so far, after the step that made them is on record and the

@@ -7,10 +7,11 @@ shown short and without recursing into containers (a value nested deep cannot ma
 error message recurse).
 """
 
-import math
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
+
+from rocforge_rt.step.sampling import INT32_MAX, Bounds
 
 MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
@@ -73,46 +74,26 @@ def field_error(name: str, expected: str, value: Any) -> ProtocolError:
     )
 
 
+def bounded(bounds: Bounds) -> Check:
+    """A number within `bounds` (step/sampling.py's one numeric check)."""
+
+    def check(name: str, value: Any) -> float:
+        held = bounds.admit(value)
+        if held is None:
+            number = isinstance(value, int) and not isinstance(value, bool) and not bounds.integer
+            raise field_error(name, bounds.expected, float(value) if number else value)
+        return held
+
+    return check
+
+
 def integer(lo: int, hi: int) -> Check:
-    def check(name: str, value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise field_error(name, f"an integer in [{lo}, {hi}]", value)
-        return value
-
-    return check
+    return bounded(Bounds(lo, hi, integer=True))
 
 
-def number(lo: float, hi: float, *, open_lo: bool = False, or_zero: bool = False) -> Check:
-    """A number in [lo, hi] ((lo, hi] when `open_lo`), or 0 too when `or_zero`."""
-
-    def check(name: str, value: Any) -> float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-            in_range = (lo < value if open_lo else lo <= value) and value <= hi
-            ok = math.isfinite(value) and (in_range or (or_zero and value == 0.0))
-        if not ok:
-            expected = f"a number in {'(' if open_lo else '['}{lo}, {hi}]"
-            raise field_error(name, f"0 or {expected}" if or_zero else expected, value)
-        return value + 0.0  # -0.0 is 0.0
-
-    return check
-
-
-def signed_number(bound: float, least: float) -> Check:
-    """A number in [-bound, bound] that is 0 or at least `least` in magnitude."""
-
-    def check(name: str, value: Any) -> float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-            ok = math.isfinite(value) and (value == 0.0 or least <= abs(value) <= bound)
-        if not ok:
-            expected = f"0 or a number in [-{bound}, -{least}] or [{least}, {bound}]"
-            raise field_error(name, expected, value)
-        return value + 0.0  # -0.0 is 0.0
-
-    return check
+def number(lo: float, hi: float, *, open_lo: bool = False) -> Check:
+    """A finite number in [lo, hi] ((lo, hi] when `open_lo`)."""
+    return bounded(Bounds(lo, hi, open_lo=open_lo))
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -138,15 +119,16 @@ def request_id_field(name: str, value: Any) -> int | str:
     raise field_error(name, f"an integer or a string of at most {MAX_ID_CHARS} characters", value)
 
 
-def _is_token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
+def is_token_id(t: Any) -> bool:
+    """A token id as the device reads it: an int32 that is not negative."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
 
 
 def token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise field_error(name, "a non-empty array of token ids", value)
     for i, t in enumerate(value):
-        if not _is_token_id(t):
+        if not is_token_id(t):
             raise field_error(f"{name}[{i}]", "a token id (an integer in [0, 2**31))", t)
     return tuple(value)
 

@@ -35,7 +35,14 @@ from rocforge_rt.engine.stopping import FinishReason
 from rocforge_rt.errors import EngineError
 from rocforge_rt.profiling.latency import RequestTimer
 from rocforge_rt.server.access import Owner, new_token, same_secret
-from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
+from rocforge_rt.server.protocol import (
+    ErrorCode,
+    Generate,
+    Open,
+    ProtocolError,
+    Request,
+    SessionRequest,
+)
 
 
 class CancelCause(StrEnum):
@@ -111,7 +118,15 @@ class Job:
     @property
     def opens_session(self) -> bool:
         """An open or a one-shot generate: it reserves a session slot when it is accepted."""
-        return self.request.turn is not None and self.request.op != "append"
+        request = self.request
+        return isinstance(request, Open) or (
+            isinstance(request, Generate) and request.turn is not None
+        )
+
+
+def _session_named(request: Request) -> int | None:
+    """The session a request names (None: an open, a one-shot generate, an abort by id)."""
+    return request.session if isinstance(request, SessionRequest) else None
 
 
 @dataclass(frozen=True)
@@ -362,7 +377,8 @@ class JobBoard:
                 targets = [
                     j
                     for j in self._jobs
-                    if j.request.op != "close" and session in (j.request.session, j.session_id)
+                    if j.request.op != "close"
+                    and session in (j.session_id, _session_named(j.request))
                 ]
             targets = [j for j in targets if j.state is not JobState.ENDED]
             for job in targets:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
 
-from rocforge_rt.engine.engine import pack_step
+from rocforge_rt.engine.scheduling import pack_step
 from rocforge_rt.engine.session import TokenEvent
 from rocforge_rt.server.jobs import CancelCause, Finished, Job, JobState
 

@@ -8,9 +8,9 @@ straight on when nothing is ahead of it here. A job with a turn arrives with
 `turn_ids` set: its prompt's token ids, or the exception making them raised, which the
 engine thread answers. A byte-level BPE tokenizer works with the GIL released
 (model/tokenizer.py), so a long prompt being tokenized here does not pause the streams the
-engine thread is decoding; a SentencePiece one runs in Python (model/spm.py), ~0.5 us a
-character (~15 ms for a 30k-character prompt), and the interpreter hands the GIL to a
-waiting engine thread every 5 ms meanwhile.
+engine thread is decoding; a SentencePiece one runs in Python (model/spm.py), and the
+interpreter hands the GIL to a waiting engine thread at its switch interval meanwhile (its
+cost a character: docs/performance.md).
 """
 
 import threading
@@ -19,6 +19,7 @@ from queue import SimpleQueue
 
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.server.jobs import Job, PeerGone
+from rocforge_rt.server.protocol import TurnRequest
 from rocforge_rt.server.translate import prompt_ids
 
 Item = Job | PeerGone | None  # None: the engine thread is to stop
@@ -28,7 +29,8 @@ _END = object()  # ends the thread; never passed on
 def tokenize_turn(job: Job, tokenizer: Tokenizer | None) -> None:
     """Set `job.turn_ids` for a job with a turn (an append's prompt goes on a session, so it
     gets no BOS of its own); an exception is kept for the engine thread to answer."""
-    if job.request.turn is None or job.cancel is not None:
+    request = job.request
+    if not isinstance(request, TurnRequest) or request.turn is None or job.cancel is not None:
         return
     try:
         job.turn_ids = prompt_ids(
@@ -41,6 +43,7 @@ def tokenize_turn(job: Job, tokenizer: Tokenizer | None) -> None:
 def _has_text(item: Item) -> bool:
     return (
         isinstance(item, Job)
+        and isinstance(item.request, TurnRequest)
         and item.request.turn is not None
         and (item.request.turn.prompt.tokens is None)
     )

@@ -1,16 +1,17 @@
-"""The daemon's wire protocol: msgpack maps over ZeroMQ, their schemas and error codes.
+"""The daemon's wire protocol: msgpack maps over ZeroMQ, one typed struct an op, error codes.
 
 A request is a map with `op`, an optional `id` (echoed in every reply to it)
 and the op's fields. A reply is a map with `id`, `ok`, and either the result or
-`error: {code, message}`. This module validates requests completely (types,
-ranges, required and unknown fields) before anything else sees them; limits
-that depend on the daemon's configuration are checked by translate.py.
+`error: {code, message}`. `parse_request` validates a request completely (types, ranges,
+required and unknown fields) and returns its op's struct (`Step`, `Generate`...): nothing
+past it checks a field again. The numeric limits of sampling are step/sampling.py's
+(SAMPLING_BOUNDS); limits that depend on the daemon's configuration are checked by
+translate.py. The HTTP front checks what it sends with the same `parse_request`.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -21,16 +22,17 @@ from rocforge_rt.server.fields import (
     ErrorCode,
     ProtocolError,
     boolean,
+    bounded,
     chat_messages,
     field_error,
     integer,
     number,
     request_id_field,
-    signed_number,
     stop_strings,
     string,
     token_ids,
 )
+from rocforge_rt.step.sampling import SAMPLING_BOUNDS, SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -43,16 +45,12 @@ MAX_STATS_RECORDS = 1000
 MAX_TIMER_EVERY = 1_000_000
 MAX_SECRET_CHARS = 256  # a session token or an operator key
 MAX_NESTING = 8  # containers within containers: a request needs 3 (map, messages, message)
-INT64 = (-(1 << 63), (1 << 63) - 1)
-INT32_MAX = (1 << 31) - 1
-# float32's smallest normal and largest numbers: the device's sampling values are float32, and
-# it divides by temperature and repetition_penalty
-FLOAT32_TINY = 2.0**-126
-FLOAT32_MAX = (2.0 - 2.0**-23) * 2.0**127
-MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (step/sampling.py's, OpenAI's range)
+INT64_MAX = (1 << 63) - 1
+
+RequestId = int | str
 
 
-# --- the request types --------------------------------------------------------------------
+# --- the parts of a turn ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Prompt:
     """The text of a turn: exactly one of text, token ids, or chat messages to render."""
@@ -63,50 +61,125 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-
-@dataclass(frozen=True)
 class Turn:
     """A prompt and the rules of the reply to it (open, append, one-shot generate)."""
 
     prompt: Prompt
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None  # None: the daemon's --max-new-tokens
 
 
-@dataclass(frozen=True)
+# --- the requests: one struct an op (OPS below has their wire fields) ---------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """A validated request. Which fields are set depends on `op` (see OPS)."""
+    """What every request holds; `op` is its struct's."""
 
-    op: str
-    id: int | str | None = None
-    deadline_ms: float | None = None
-    session: int | None = None
+    op: ClassVar[str]
+    id: RequestId | None = None  # echoed in every reply
+    deadline_ms: float | None = None  # from its receipt to its first token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Info(Request):
+    op = "info"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Health(Request):
+    op = "health"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Metrics(Request):
+    op = "metrics"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Open(Request):
+    """Open a session with its first turn."""
+
+    op = "open"
+    turn: Turn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionRequest(Request):
+    """A request on an open session, with the session's token."""
+
+    session: int | None = None  # None only for a one-shot generate and an abort by request
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Append(SessionRequest):
+    """Another turn on a session whose turn has finished."""
+
+    op = "append"
+    turn: Turn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step(SessionRequest):
+    """The session's next `n` tokens."""
+
+    op = "step"
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generate(SessionRequest):
+    """Stream the rest of a turn: a one-shot `turn` (no session), or a session's as opened."""
+
+    op = "generate"
     turn: Turn | None = None
-    n: int = 1  # step: how many tokens
-    request: int | str | None = None  # abort: the id of the request to abort
-    reset: bool = False  # stats
-    records: int = 0  # stats: how many recent per-request records to include
-    steps: int | None = None  # trace: how many recent steps (None: all kept)
-    launches: bool | None = None  # profile: launch tracker on/off (None: unchanged)
-    kernels: bool | None = None  # profile: kernel timer on/off (None: unchanged)
-    every: int | None = None  # profile: the kernel timer times one step in `every`
-    token: str | None = None  # the session's token (step, generate on a session, append...)
-    operator_key: str | None = None  # stats, trace, profile: needed off loopback
 
 
-_SESSION = integer(1, INT64[1])
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort(SessionRequest):
+    """End what runs on `session`, or the request of this client with id `request`."""
+
+    op = "abort"
+    request: RequestId | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Close(SessionRequest):
+    op = "close"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperatorRequest(Request):
+    """An op that shows the daemon's internals or changes its records: off loopback it
+    needs the operator key."""
+
+    operator_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats(OperatorRequest):
+    op = "stats"
+    reset: bool = False
+    records: int = 0  # how many recent per-request records to include
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trace(OperatorRequest):
+    op = "trace"
+    steps: int | None = None  # how many recent steps (None: all kept)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profile(OperatorRequest):
+    op = "profile"
+    launches: bool | None = None  # launch tracker on/off (None: unchanged)
+    kernels: bool | None = None  # kernel timer on/off (None: unchanged)
+    every: int | None = None  # the kernel timer times one step in `every`
+
+
+TurnRequest = Open | Append | Generate  # the requests that may carry a turn
+
+_SESSION = integer(1, INT64_MAX)
 _SECRET = string(MAX_SECRET_CHARS)
 _BY_SESSION: dict[str, Check] = {"session": _SESSION, "token": _SECRET}
 _PROMPT_FIELDS: dict[str, Check] = {
@@ -116,16 +189,7 @@ _PROMPT_FIELDS: dict[str, Check] = {
 }
 _TURN_FIELDS: dict[str, Check] = {
     **_PROMPT_FIELDS,
-    "temperature": number(FLOAT32_TINY, 100.0, or_zero=True),  # 0: greedy
-    "top_k": integer(0, INT32_MAX),  # translate.py: at most the vocabulary
-    "top_p": number(FLOAT32_TINY, 1.0),
-    "seed": integer(0, (1 << 64) - 1),
-    "logprobs": integer(0, 20),
-    # llama.cpp's (step/sampling.py); float32 on the device: 0 or normal
-    "min_p": number(FLOAT32_TINY, 1.0, or_zero=True),  # 0: no cut
-    "repetition_penalty": number(FLOAT32_TINY, FLOAT32_MAX),  # 1: none
-    "frequency_penalty": signed_number(MAX_PENALTY, FLOAT32_TINY),  # 0: none
-    "presence_penalty": signed_number(MAX_PENALTY, FLOAT32_TINY),  # 0: none
+    **{name: bounded(bounds) for name, bounds in SAMPLING_BOUNDS.items()},
     "stop": stop_strings,
     "max_tokens": integer(1, MAX_TOKENS_FIELD),
 }
@@ -157,8 +221,12 @@ OPS: dict[str, dict[str, Check]] = {
         "operator_key": _SECRET,
     },
 }
+_SESSION_OPS = (Open, Append, Step, Generate, Abort, Close)
+_DAEMON_OPS = (Info, Health, Metrics, Stats, Trace, Profile)
+STRUCTS: dict[str, type[Request]] = {struct.op: struct for struct in _SESSION_OPS + _DAEMON_OPS}
+_ALLOWED = {op: {**_COMMON, **fields} for op, fields in OPS.items()}  # a request's fields
 _REQUIRED = {"append": ("session",), "step": ("session",), "close": ("session",)}
-SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))  # a turn's, by name
+_TURN_ENVELOPE = ("id", "deadline_ms", "session", "token")  # a turn request's other fields
 
 
 # --- decoding -----------------------------------------------------------------------------
@@ -252,7 +320,8 @@ def request_id(obj: Any) -> int | str | None:
 
 
 def parse_request(obj: Any) -> Request:
-    """Validate a decoded request map; ProtocolError names the first problem found."""
+    """Validate a decoded request map into its op's struct; ProtocolError names the first
+    problem found."""
     if not isinstance(obj, dict):
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"a request must be a map, found {type(obj).__name__}"
@@ -260,36 +329,33 @@ def parse_request(obj: Any) -> Request:
     op = obj.get("op")
     if not isinstance(op, str):
         raise field_error("op", "a string naming the operation", op)
-    if op not in OPS:
+    allowed = _ALLOWED.get(op)
+    if allowed is None:
         raise ProtocolError(
             ErrorCode.UNKNOWN_OP, f"unknown op {op[:40]!r}; ops are: {', '.join(OPS)}"
         )
-    allowed = {**_COMMON, **OPS[op]}
     unknown = sorted(str(k)[:40] for k in obj if k not in allowed)
     if unknown:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"op {op!r} takes no field(s) {', '.join(map(repr, unknown))}"
         )
-    values = {k: allowed[k](k, v) for k, v in obj.items()}
+    values = {k: allowed[k](k, v) for k, v in obj.items() if k != "op"}
     for name in _REQUIRED.get(op, ()):
         if name not in values:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"op {op!r} needs the field {name!r}")
     return _build(op, values)
 
 
-def _build(op: str, v: Mapping[str, Any]) -> Request:
-    common = {"op": op, "id": v.get("id"), "deadline_ms": v.get("deadline_ms")}
+def _build(op: str, v: dict[str, Any]) -> Request:
+    """The struct of valid fields `v`, once the rules between fields hold."""
     if "token" in v and "session" not in v:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"op {op!r}: the field 'token' goes with 'session'"
         )
-    common["token"] = v.get("token")
-    if op == "abort":
-        if ("session" in v) == ("request" in v):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "op 'abort' needs exactly one of 'session' or 'request'"
-            )
-        return Request(**common, session=v.get("session"), request=v.get("request"))
+    if op == "abort" and ("session" in v) == ("request" in v):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "op 'abort' needs exactly one of 'session' or 'request'"
+        )
     if op == "generate" and "session" in v:
         extra = sorted(k for k in v if k in _TURN_FIELDS)
         if extra:
@@ -298,21 +364,10 @@ def _build(op: str, v: Mapping[str, Any]) -> Request:
                 "op 'generate' continues a session's turn as opened: with 'session' it takes"
                 f" no {', '.join(map(repr, extra))}",
             )
-        return Request(**common, session=v["session"])
-    if op in ("open", "append", "generate"):
-        return Request(**common, session=v.get("session"), turn=_turn(op, v))
-    return Request(
-        **common,
-        session=v.get("session"),
-        n=v.get("n", 1),
-        reset=v.get("reset", False),
-        records=v.get("records", 0),
-        steps=v.get("steps"),
-        launches=v.get("launches"),
-        kernels=v.get("kernels"),
-        every=v.get("every"),
-        operator_key=v.get("operator_key"),
-    )
+    elif op in ("open", "append", "generate"):
+        envelope = {k: v[k] for k in _TURN_ENVELOPE if k in v}
+        return STRUCTS[op](**envelope, turn=_turn(op, v))
+    return STRUCTS[op](**v)
 
 
 def _turn(op: str, v: Mapping[str, Any]) -> Turn:
@@ -326,7 +381,7 @@ def _turn(op: str, v: Mapping[str, Any]) -> Turn:
         )
     return Turn(
         prompt=Prompt(text=v.get("prompt"), tokens=v.get("tokens"), messages=v.get("messages")),
-        sampling=Sampling(**{k: v[k] for k in SAMPLING_FIELDS if k in v}),
+        sampling=SamplingParams(**{k: v[k] for k in SAMPLING_BOUNDS if k in v}),
         stop=v.get("stop", ()),
         max_tokens=v.get("max_tokens"),
     )

@@ -47,8 +47,7 @@ def stats(
 def trace(engine_loop: EngineLoop, request: Request) -> dict[str, Any]:
     steps = engine_loop.op_timer.recent_steps(request.steps)
     backend = engine_loop.engine.backend
-    tracker = getattr(backend, "launch_tracker", None)
-    timer = getattr(backend, "kernel_timer", None)
+    tracker, timer = backend.launch_tracker, backend.kernel_timer
     launches = tracker.recent(request.steps) if tracker is not None else []
     gpu = timer.recent(request.steps) if timer is not None else []
     trace = chrome_trace(steps, launches=launches, gpu=gpu)
@@ -63,8 +62,7 @@ def profile(engine_loop: EngineLoop, request: Request) -> dict[str, Any]:
     setting), so they are set here without handing work to it.
     """
     backend = engine_loop.engine.backend
-    tracker = getattr(backend, "launch_tracker", None)
-    timer = getattr(backend, "kernel_timer", None)
+    tracker, timer = backend.launch_tracker, backend.kernel_timer
     if tracker is None or timer is None:
         return {"available": False, "launches": False, "kernels": False, "every": 0}
     if request.every is not None:

@@ -14,7 +14,6 @@ from rocforge_rt.errors import EngineErrorCode
 from rocforge_rt.model.tokenizer import Tokenizer
 from rocforge_rt.server.jobs import Limits
 from rocforge_rt.server.protocol import ErrorCode, Prompt, ProtocolError, Turn
-from rocforge_rt.step.sampling import SamplingParams
 
 ENGINE_ERROR_CODES: dict[EngineErrorCode, ErrorCode] = {
     EngineErrorCode.BUSY: ErrorCode.BUSY,
@@ -72,10 +71,7 @@ def prompt_ids(tokenizer: Tokenizer | None, prompt: Prompt, *, first_turn: bool)
 
 def turn_args(limits: Limits, n_vocab: int, turn: Turn, ids: list[int]) -> dict[str, Any]:
     """The keyword arguments of `Engine.open_session`/`append` for a turn, within the limits
-    and the model's vocabulary.
-
-    EngineError (INVALID_ARGUMENT) for sampling parameters the engine refuses.
-    """
+    and the model's vocabulary (the turn's sampling was checked as it was parsed)."""
     if not ids:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
     if len(ids) >= limits.n_ctx:
@@ -96,24 +92,13 @@ def turn_args(limits: Limits, n_vocab: int, turn: Turn, ids: list[int]) -> dict[
             f"max_tokens {max_tokens} exceeds the limit of {limits.max_new_tokens}"
             " (--max-new-tokens)",
         )
-    s = turn.sampling
-    if s.top_k > n_vocab:
+    top_k = turn.sampling.top_k
+    if top_k > n_vocab:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
-            f"field 'top_k': expected at most the vocabulary's {n_vocab} tokens, found {s.top_k}",
+            f"field 'top_k': expected at most the vocabulary's {n_vocab} tokens, found {top_k}",
         )
-    sampling = SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=s.seed,
-        logprobs=s.logprobs,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-    )
-    return {"sampling": sampling, "stop": turn.stop, "max_tokens": max_tokens}
+    return {"sampling": turn.sampling, "stop": turn.stop, "max_tokens": max_tokens}
 
 
 def check_room(limits: Limits, n_vocab: int, session: Session, ids: list[int]) -> None:

@@ -35,27 +35,92 @@ import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from rocforge_rt.errors import EngineError, EngineErrorCode
 
 WEIGHT_SCALE = np.float32(2.0**40)  # weights are exp(...) in (0, 1] times this, truncated
-MAX_LOGPROBS = 20
 PENALTY_WINDOW = 64  # recent tokens the penalties count (llama.cpp's penalty_last_n default)
-MAX_FREQUENCY_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
 # The penalties' values that change nothing (SamplingParams and ROW_PARAMS_DTYPE names).
 NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-# float32's smallest normal and largest numbers: a step holds sampling values as float32.
+
+# --- the limits of the sampling parameters: every layer imports these -----------------------
+# float32's smallest normal and largest numbers: a step holds sampling values as float32 (a
+# value that rounds to 0 or a subnormal would change meaning), and the device divides by the
+# temperature and the repetition penalty.
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = (1 << 31) - 1  # the device reads top_k as int32
+SEED_MAX = (1 << 64) - 1  # seeds are uint64
+MAX_TEMPERATURE = 100.0  # far past any use (OpenAI's own range ends at 2)
+MAX_LOGPROBS = 20  # alternatives a token may report (OpenAI's top_logprobs range)
+MAX_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
 
+_NUMBERS = (int, float)  # a tuple: isinstance checks it faster than a union
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The values one parameter may take: an integer, or a finite number, in [lo, hi] ((lo, hi]
+    when `open_lo`); with `or_zero` 0 too; `signed`: in [-hi, -lo] too. The one check of
+    every numeric field (the wire's, the OpenAI front's and SamplingParams')."""
+
+    lo: float
+    hi: float
+    integer: bool = False
+    or_zero: bool = False
+    signed: bool = False
+    open_lo: bool = False
+
+    def admit(self, value: Any) -> float | None:
+        """`value` as it is held (a number as a float, -0.0 as 0.0), or None when outside."""
+        if not isinstance(value, _NUMBERS) or isinstance(value, bool):
+            return None
+        if self.integer:
+            return value if isinstance(value, int) and self.lo <= value <= self.hi else None
+        magnitude = abs(value) if self.signed else value
+        above_lo = self.lo < magnitude if self.open_lo else self.lo <= magnitude
+        if (above_lo and magnitude <= self.hi) or (self.or_zero and value == 0):
+            return value + 0.0  # NaN and the infinities fail both comparisons above
+        return None
+
+    @property
+    def expected(self) -> str:
+        """What `admit` takes, in words: 'an integer in [0, 20]', '0 or a number in ...'."""
+        if self.integer:
+            return f"an integer in [{self.lo}, {self.hi}]"
+        span = f"{'(' if self.open_lo else '['}{self.lo}, {self.hi}]"
+        if self.signed:
+            span = f"[-{self.hi}, -{self.lo}] or {span}"
+        return f"{'0 or ' if self.or_zero else ''}a number in {span}"
+
+
+# What each sampling parameter may hold: what the device reads (int32, normal float32) within
+# the ranges of llama.cpp's and OpenAI's samplers. 0 turns off temperature (greedy), min_p and
+# the additive penalties; 1 turns off top_p and the repetition penalty.
+SAMPLING_BOUNDS: dict[str, Bounds] = {
+    "temperature": Bounds(FLOAT32_TINY, MAX_TEMPERATURE, or_zero=True),
+    "top_k": Bounds(0, INT32_MAX, integer=True),  # 0: no cut; the server: at most the vocabulary
+    "top_p": Bounds(FLOAT32_TINY, 1.0),
+    "seed": Bounds(0, SEED_MAX, integer=True),
+    "logprobs": Bounds(0, MAX_LOGPROBS, integer=True),
+    "min_p": Bounds(FLOAT32_TINY, 1.0, or_zero=True),
+    "repetition_penalty": Bounds(FLOAT32_TINY, FLOAT32_MAX),
+    "frequency_penalty": Bounds(FLOAT32_TINY, MAX_PENALTY, or_zero=True, signed=True),
+    "presence_penalty": Bounds(FLOAT32_TINY, MAX_PENALTY, or_zero=True, signed=True),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature 0 means greedy (argmax)."""
+    """How the next token is chosen. temperature 0 means greedy (argmax). Each value is checked
+    against SAMPLING_BOUNDS when built (EngineError INVALID_ARGUMENT naming it), so the engine
+    and the device only ever see values they can hold."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
@@ -68,36 +133,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        bound = MAX_FREQUENCY_PENALTY
-        checks = (
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                self.repetition_penalty > 0.0,
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-            ),
-            (
-                -bound <= self.frequency_penalty <= bound,
-                f"frequency_penalty must be in [-{bound}, {bound}], got {self.frequency_penalty}",
-            ),
-            (
-                -bound <= self.presence_penalty <= bound,
-                f"presence_penalty must be in [-{bound}, {bound}], got {self.presence_penalty}",
-            ),
-            (
-                0 <= self.logprobs <= MAX_LOGPROBS,
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-            ),
-            (
-                self.seed is None or 0 <= self.seed <= _MASK64,
-                f"seed must be in [0, 2^64), got {self.seed}",
-            ),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise EngineError(EngineErrorCode.INVALID_ARGUMENT, message)
+        for name, bounds in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if bounds.admit(value) is None and not (name == "seed" and value is None):
+                raise EngineError(
+                    EngineErrorCode.INVALID_ARGUMENT,
+                    f"{name} must be {bounds.expected}, got {value!r}",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -7,18 +7,22 @@ beside its kernels (matmul.py, attention.py, embedding.py, rope.py, sampling.py)
 executor.py (step state, step modes, graphs, readback, runtime statistics).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from rocforge_rt.backends.gpu.attention import DEFAULT_TUNING as DEFAULT_ATTENTION_TUNING
 from rocforge_rt.backends.gpu.attention import Attention, check_attention_shapes
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.embedding import Embedding
 from rocforge_rt.backends.gpu.executor import StepExecutor, check_mode
 from rocforge_rt.backends.gpu.kernel_constants import EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU
-from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
+from rocforge_rt.backends.gpu.kernel_library import Compiler, KernelLibrary
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.matmul import DeviceMatrix, Matmul, repack_rows
+from rocforge_rt.backends.gpu.matmul import DEFAULT_TUNING, DeviceMatrix, Matmul, repack_rows
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.backends.gpu.rope import RopeKvAppend
 from rocforge_rt.backends.gpu.sampling import Sampling
 from rocforge_rt.backends.gpu.vendor_blas import open_vendor_gemm
@@ -29,6 +33,7 @@ from rocforge_rt.model.hparams import HParams
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 from rocforge_rt.step.batch import StepBatch
+from rocforge_rt.step.caps import BackendCaps
 from rocforge_rt.step.forward import StepOutput
 from rocforge_rt.step.kv_format import check_kv_dtype
 
@@ -38,24 +43,21 @@ MIN_LOGIT_ROWS = 256
 
 
 class GpuBackend:
-    """Weight uploader and forward ops over a device driver and the kernel library.
+    """Weight uploader and forward ops over a device driver and the kernel library (a
+    `Backend`: backends/contract.py).
 
     The ops of one launch each are their op family's objects themselves, with no call
     in between: `embed`, `attention` and `sample`.
     """
 
-    # A step may mix sequences' decode rows and prompt chunks (Engine.step): every op but
-    # attention is row by row, and attention splits the step into launches by run of one
-    # slot's consecutive positions (attention.py).
-    ragged_steps = True
     embed: Embedding  # (table, batch) -> Activation
     attention: Attention  # (q, layer, batch) -> Activation
     sample: Sampling  # (logits, sampling, first_row, readback): each row's token into both
 
     def __init__(
         self,
-        driver: Any,
-        compiler: Any,
+        driver: Driver,
+        compiler: Compiler,
         hparams: HParams,
         *,
         n_slots: int,
@@ -66,6 +68,8 @@ class GpuBackend:
         batch_invariant: bool = False,
         lookahead: bool = True,
         kv_dtype: str = "f16",
+        matmul_tuning: MatmulTuning = DEFAULT_TUNING,
+        attention_tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING,
     ) -> None:
         check_mode(mode)
         check_attention_shapes(hparams)
@@ -74,19 +78,29 @@ class GpuBackend:
         self.name = driver.info.vendor
         self.hparams = hparams
         self.n_ctx = n_ctx
-        self.max_tokens = max_tokens
         self.stream = driver.create_stream()
         # Profiling, both off until enabled: host launch times, and GPU times of sampled steps.
         self.launch_tracker = LaunchOverheadTracker()
         self.launcher = Launcher(driver, self.stream, KernelLibrary(compiler), self.launch_tracker)
         self.kernel_timer = KernelTimer(driver, self.stream)
+        # A step may mix sequences' decode rows and prompt chunks (Engine.step): every op but
+        # attention is row by row, and attention splits the step into launches by run of one
+        # slot's consecutive positions (attention.py).
+        self.caps = BackendCaps(
+            ragged_steps=True,
+            lookahead=lookahead,
+            batch_invariant=batch_invariant,
+            max_tokens=max_tokens,
+            max_logit_rows=min(max_tokens, max(n_slots, MIN_LOGIT_ROWS)),
+            kv_dtype=self.kv_dtype,
+        )
         self.workspace = ws = Workspace(
             driver,
             hparams,
             n_slots=n_slots,
             n_ctx=n_ctx,
             max_tokens=max_tokens,
-            max_logit_rows=min(max_tokens, max(n_slots, MIN_LOGIT_ROWS)),
+            max_logit_rows=self.caps.max_logit_rows,
             vendor_gemm=not batch_invariant,
             kv_dtype=kv_dtype,
         )
@@ -105,10 +119,13 @@ class GpuBackend:
             n_ctx=n_ctx,
             max_tokens=max_tokens,
             vendor_gemm=vendor_gemm,
+            tuning=matmul_tuning,
         )
         self.embed = Embedding(launcher, ws, hparams)
         self.rope = RopeKvAppend(launcher, ws, hparams, n_ctx=n_ctx)
-        self.attention = Attention(driver, launcher, ws, hparams, n_ctx=n_ctx)
+        self.attention = Attention(
+            driver, launcher, ws, hparams, n_ctx=n_ctx, tuning=attention_tuning
+        )
         self.sample = Sampling(launcher, ws)
         self.executor = StepExecutor(
             driver,
@@ -123,7 +140,7 @@ class GpuBackend:
             # Programmatic dependent launch (where the driver supports it): each kernel may
             # start while the previous one finishes, waiting inside for its results. Decode
             # steps only: a prompt chunk's big grids, launched early into a busy device,
-            # would crowd a few multiprocessors (measured: SmolLM2 prefill 30% slower).
+            # crowd a few multiprocessors and slow prefill (docs/performance.md).
             overlap=overlap and driver.supports_overlap,
             lookahead=lookahead,
             launch_tracker=self.launch_tracker,
@@ -146,28 +163,10 @@ class GpuBackend:
         return self.executor.overlap
 
     @property
-    def use_prefill_gemm(self) -> bool:
-        """Whether prompt chunks take the GEMM (False: every row count takes the GEMV, A/B)."""
-        return self.matmul.use_prefill_gemm
-
-    @use_prefill_gemm.setter
-    def use_prefill_gemm(self, value: bool) -> None:
-        self.matmul.use_prefill_gemm = value
-
-    @property
-    def max_logit_rows(self) -> int:
-        """The most rows of one step that may ask for logits."""
-        return self.workspace.max_logit_rows
-
-    @property
     def batch_invariant(self) -> bool:
         """Whether a token's outputs are the same alone, batched or in a prompt chunk (the
         int8 GEMM for every chunk); False: prompt chunks take the vendor GEMM."""
-        return self.matmul.batch_invariant
-
-    @batch_invariant.setter
-    def batch_invariant(self, value: bool) -> None:
-        self.matmul.batch_invariant = value
+        return self.caps.batch_invariant
 
     def device_info(self) -> dict[str, object]:
         info = self.driver.info
@@ -177,13 +176,21 @@ class GpuBackend:
             "arch": info.arch,
             "batch_invariant": self.batch_invariant,
             "prompt_gemm": "int8" if self.batch_invariant else self.matmul.vendor_gemm.library,
-            "max_tokens": self.max_tokens,
-            "max_logit_rows": self.workspace.max_logit_rows,
+            "max_tokens": self.caps.max_tokens,
+            "max_logit_rows": self.caps.max_logit_rows,
             "kv_dtype": self.kv_dtype,
             "device_bytes": self.workspace.device_bytes(),
         }
 
+    def warm_up(self) -> None:
+        """Nothing more: the kernels were loaded when the backend was built, and the first
+        steps (the daemon's warm-up) capture the step graphs."""
+
     # --- weights -------------------------------------------------------------------------
+    def weights_uploaded(self, tensors: Iterable[WeightTensor]) -> None:
+        """Nothing to release: the weights were copied to the device, the file stays mapped
+        for the model's other readers."""
+
     def linear(self, *tensors: WeightTensor) -> DeviceMatrix:
         fmt, quants, scales = repack_rows(tensors)
         n, k = quants.shape[0], tensors[0].shape[1]

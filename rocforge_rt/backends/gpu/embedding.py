@@ -7,6 +7,7 @@ head and the gather share one copy.
 import math
 
 from rocforge_rt.backends.gpu.kernel_constants import EMBED_THREADS
+from rocforge_rt.backends.gpu.kernel_variants import EmbedKernel
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.matmul import DeviceMatrix
 from rocforge_rt.backends.gpu.workspace import Activation, Workspace
@@ -27,7 +28,7 @@ class Embedding:
         hp, ws = self.hparams, self.ws
         self._launch(
             ("embed", n),
-            f"rf_embed_{table.fmt}_split",
+            EmbedKernel(table.fmt, split=True).name,
             (math.ceil(hp.n_embd / EMBED_THREADS), min(n, 65535), 1),
             (EMBED_THREADS, 1, 1),
             (table.qs.ptr, table.d.ptr, table.n, hp.n_embd, ws.step_tokens.ptr, n, ws.x.ptr),

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.graph import StepGraph
 from rocforge_rt.backends.gpu.kernel_constants import SAMPLE_MAX_TOP
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
@@ -65,7 +66,7 @@ class StepExecutor:
 
     def __init__(
         self,
-        driver: Any,
+        driver: Driver,
         stream: Any,
         launcher: Launcher,
         workspace: Workspace,

@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.errors import BackendError
 
@@ -36,7 +37,7 @@ MIN_GRAPH_LAUNCHES = 24  # launches a micro-benchmark's graph holds at least
 class StepGraph:
     """One captured step on one stream, re-captured whenever a captured handle was repacked."""
 
-    def __init__(self, driver: Any, stream: Any) -> None:
+    def __init__(self, driver: Driver, stream: Any) -> None:
         self.driver = driver
         self.stream = stream
         self.captures = 0
@@ -126,7 +127,7 @@ class StepGraph:
 
 
 def replay_us_per_launch(
-    driver: Any, stream: Any, issue: Callable[[int], None], copies: int, reps: int
+    driver: Driver, stream: Any, issue: Callable[[int], None], copies: int, reps: int
 ) -> float:
     """A micro-benchmark's timing: `issue(i % copies)` for at least MIN_GRAPH_LAUNCHES
     launches, a whole number of rounds over the `copies` (buffers a launch reads, so that

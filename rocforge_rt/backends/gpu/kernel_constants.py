@@ -41,8 +41,8 @@ ROPE_THREADS = 256  # kernels/rope_kv.hip
 # Attention (kernels/attention.hip).
 ATTN_TILE = 64  # key positions a tile (the arithmetic's unit, aligned at position 0)
 # A longer context's tile parts fold in spans, then the spans' states (attention.hip): the
-# decode kernel folds the spans in parallel. Measured on an H200 (README, "Decode at depth:
-# the fold in spans"): past 64 tiles the spans win, at 33 and 49 they lost.
+# decode kernel folds the spans in parallel: past 64 tiles the spans win, below they lost
+# (docs/performance.md).
 ATTN_SPAN = 16  # tiles a span
 ATTN_ONE_SPAN_TILES = 4 * ATTN_SPAN  # tiles of the longest context folded as one span
 ATTN_WARPS = 4  # 32-lane groups a block of either kernel has

@@ -11,9 +11,11 @@ defines, compiler version), so a warm start compiles nothing. Every compile gets
 shared constants of kernel_constants.py (`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the
 compiler's target as -D defines.
 
-Each kernel's parameter list is read from its C declaration (`kernel_signatures`)
-and mapped to the launch argument codes of launch.py (`C_ARG_TYPES`), so a launch
-packs its arguments as the kernel declares them.
+A source's variant kernels are generated from the tables of kernel_variants.py and
+appended to it (`kernel_source`) before it is compiled, hashed or read. Each kernel's
+parameter list is read from its C declaration (`kernel_signatures`) and mapped to the
+launch argument codes of launch.py (`C_ARG_TYPES`), so a launch packs its arguments as
+the kernel declares them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Protocol
 
 from rocforge_rt import dirs
 from rocforge_rt.backends.gpu.kernel_constants import KERNEL_DEFINES
+from rocforge_rt.backends.gpu.kernel_variants import generated_source
 
 _IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KERNEL_RE = re.compile(
@@ -103,6 +106,12 @@ def kernels_dir() -> Path:
     if root is not None:
         return root / "kernels"
     return Path(str(importlib.resources.files("rocforge_rt") / "_kernels"))
+
+
+def kernel_source(source_dir: Path, source_name: str) -> str:
+    """The text a kernel source compiles as: the file, then its kernels generated from
+    kernel_variants.py (`generated_source`)."""
+    return (source_dir / source_name).read_text() + generated_source(source_name)
 
 
 def kernel_names(source: str) -> list[str]:
@@ -295,7 +304,7 @@ class KernelLibrary:
         RF_WARP_SIZE (from the compiler) are always defined and cannot be changed here.
         Raises `KernelCompileError` when the source does not compile.
         """
-        source = (self.source_dir / source_name).read_text()
+        source = kernel_source(self.source_dir, source_name)
         headers = self.headers()
         all_defines = self.defines(defines)
         key = self._key(source_name, source, headers, all_defines)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.errors import BackendError
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 
@@ -117,7 +118,7 @@ class LaunchHandle:
 
     def __init__(
         self,
-        driver: Any,
+        driver: Driver,
         function: Any,
         *,
         name: str,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 from rocforge_rt.backends.gpu.launch import ArgCacheStats, LaunchHandle
 from rocforge_rt.profiling.kernel_timer import KernelTimer
@@ -22,7 +23,7 @@ class Launcher:
     """The loaded kernels, their signatures, and the launch handles of every call site."""
 
     def __init__(
-        self, driver: Any, stream: Any, library: KernelLibrary, tracker: LaunchOverheadTracker
+        self, driver: Driver, stream: Any, library: KernelLibrary, tracker: LaunchOverheadTracker
     ) -> None:
         self.driver = driver
         self.stream = stream

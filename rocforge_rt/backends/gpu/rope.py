@@ -5,6 +5,7 @@ through kernels/rf_rope.h, so q, k and v are bit-identical either way.
 """
 
 from rocforge_rt.backends.gpu.kernel_constants import ROPE_THREADS
+from rocforge_rt.backends.gpu.kernel_variants import RopeKvKernel
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.workspace import Activation, Workspace
 from rocforge_rt.model.hparams import HParams
@@ -26,7 +27,7 @@ class RopeKvAppend:
         hp, ws = self.hparams, self.ws
         self._launch(
             ("rope", layer, qkv.rows),
-            "rf_rope_kv_append" + ws.kv_kernel_suffix,
+            RopeKvKernel(ws.kv_fp8).name,
             (qkv.rows, 1, 1),
             (ROPE_THREADS, 1, 1),
             (

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.kernel_constants import (
     ARGMAX_PART_BYTES,
     ATTN_SPAN,
@@ -57,10 +58,10 @@ class Readback:
     """Where one step's sampling results go: page-locked host memory mapped into the device,
     which the sampling kernels write (each row's token and its log-probability, and the
     alternatives asked for), and the event recorded after the step. Writing there instead
-    of copying after the step saves the copies' wait between two decode graphs (measured,
-    H200: 2-3% of SmolLM2- and 1B-shape decode; README "Single-stream decode")."""
+    of copying after the step saves the copies' wait between two decode graphs
+    (docs/performance.md)."""
 
-    def __init__(self, driver: Any, rows: int, index: int) -> None:
+    def __init__(self, driver: Driver, rows: int, index: int) -> None:
         self.index = index  # which of the workspace's sets: part of the sampler's launch keys
         self.tokens = driver.alloc_pinned(rows * 4, mapped=True)
         self.logprobs = driver.alloc_pinned(rows * 4, mapped=True)
@@ -78,7 +79,7 @@ class Workspace:
 
     def __init__(
         self,
-        driver: Any,
+        driver: Driver,
         hparams: HParams,
         *,
         n_slots: int,
@@ -95,10 +96,10 @@ class Workspace:
         f32 = 4
         self.gate = driver.alloc_pinned(4, mapped=True)  # the flag rf_hold waits on
         # KV pool: per layer [n_slots, n_ctx, n_kv, head_dim] of `kv_dtype` elements
-        # (step/kv_format.py), zeroed. The kernels that read or write it are named
-        # with `kv_kernel_suffix`.
+        # (step/kv_format.py), zeroed. The kernels that read or write it take `kv_fp8`
+        # (kernel_variants.py rows).
         self.kv_dtype = kv_dtype
-        self.kv_kernel_suffix = "_fp8" if kv_dtype == "fp8" else ""
+        self.kv_fp8 = kv_dtype == "fp8"
         element = kv_element_bytes(kv_dtype)
         self.k_cache = [self.zeros(n_slots * n_ctx * hp.kv_dim_k * element)
                         for _ in range(hp.n_layer)]  # fmt: skip

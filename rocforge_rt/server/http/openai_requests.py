@@ -21,12 +21,25 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rocforge_rt.server.fields import MAX_MESSAGES, MAX_ROLE_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from rocforge_rt.server.fields import (
+    MAX_MESSAGES,
+    MAX_ROLE_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    is_token_id,
+)
 from rocforge_rt.server.http.errors import bad_field
-from rocforge_rt.server.protocol import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, MAX_PENALTY
+from rocforge_rt.server.protocol import MAX_TOKENS_FIELD
+from rocforge_rt.step.sampling import (
+    FLOAT32_TINY,
+    INT32_MAX,
+    MAX_LOGPROBS,
+    SAMPLING_BOUNDS,
+    SEED_MAX,
+    Bounds,
+)
 
-MAX_TOP_LOGPROBS = 20  # the daemon's `logprobs` bound (step/sampling.py's MAX_LOGPROBS)
-MAX_TEMPERATURE = 2.0  # OpenAI's range
+OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's range (the daemon's reaches further)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0
 ROLES = {  # OpenAI's role -> the chat template's
@@ -114,17 +127,16 @@ def _common(body: Any, prompt_field: str) -> dict[str, Any]:
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad_field("n", f"'n' must be 1 (one choice a request), got {_short(n)}")
     _refuse_unsupported(body)
-    temperature = _number(body, "temperature", 0.0, MAX_TEMPERATURE, DEFAULT_TEMPERATURE)
-    if temperature < FLOAT32_TINY:
-        temperature = 0.0  # below what the device can divide by: greedy
-    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    temperature = _number(body, "temperature", 0.0, OPENAI_MAX_TEMPERATURE, DEFAULT_TEMPERATURE)
+    temperature = _flushed(temperature, SAMPLING_BOUNDS["temperature"])  # a tiny one: greedy
+    top_p = _number(body, "top_p", 0.0, SAMPLING_BOUNDS["top_p"].hi, 1.0)
     top_k = _integer(body, "top_k", -1, INT32_MAX)  # an extension (vLLM's): -1 or 0 is off
-    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    seed = _integer(body, "seed", -(1 << 63), SEED_MAX)
     fields: dict[str, Any] = {
         "temperature": temperature,
         "top_p": max(top_p, FLOAT32_TINY),  # 0: only the most likely token, as the tiniest
         "top_k": max(top_k, 0) if top_k is not None else None,
-        "seed": None if seed is None else seed % (1 << 64),  # a negative seed: its 64 bits
+        "seed": None if seed is None else seed % (SEED_MAX + 1),  # a negative seed: its 64 bits
         **_penalties(body),
         "stop": _stop(body.get("stop")),
     }
@@ -142,27 +154,36 @@ def _common(body: Any, prompt_field: str) -> dict[str, Any]:
     }
 
 
+def _flushed(value: Any, bounds: Bounds) -> Any:
+    """A number nearer 0 than float32's smallest normal is 0, as on the device (a negative one
+    only where `bounds` take negative numbers)."""
+    if _is_number(value) and abs(value) < FLOAT32_TINY and (bounds.signed or value >= 0):
+        return 0.0
+    return value
+
+
 def _penalties(body: dict[str, Any]) -> dict[str, float | None]:
     """`min_p` and the three penalties as the `generate` fields (None: not given, the daemon's
-    default: no effect). A value below float32's smallest normal number in magnitude is 0, as
-    on the device; a repetition penalty must be a normal float32 (the device divides by it)."""
+    default: no effect), flushed (`_flushed`) and checked by the daemon's own bounds
+    (step/sampling.py), a refusal phrased as OpenAI's ranges are."""
     fields: dict[str, float | None] = {}
-    for name, lo, hi in (
-        ("min_p", 0.0, 1.0),
-        ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
-        ("presence_penalty", -MAX_PENALTY, MAX_PENALTY),
-    ):
-        value = _number(body, name, lo, hi, 0.0) if body.get(name) is not None else None
-        fields[name] = 0.0 if value is not None and abs(value) < FLOAT32_TINY else value
-    value = body.get("repetition_penalty")
-    if value is not None and not (_is_number(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
-        raise bad_field(
-            "repetition_penalty",
-            f"'repetition_penalty' must be a number > 0 (1: none; a float32 from"
-            f" {FLOAT32_TINY:g} to {FLOAT32_MAX:g}), got {_short(value)}",
-        )
-    fields["repetition_penalty"] = None if value is None else float(value)
+    for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = body.get(name)
+        bounds = SAMPLING_BOUNDS[name]
+        held = None if value is None else bounds.admit(_flushed(value, bounds))
+        if value is not None and held is None:
+            raise bad_field(name, f"{_range_of(name, bounds)}, got {_short(value)}")
+        fields[name] = held
     return fields
+
+
+def _range_of(name: str, bounds: Bounds) -> str:
+    if name == "repetition_penalty":  # the device divides by it
+        return (
+            f"'{name}' must be a number > 0 (1: none; a float32 from {bounds.lo:g} to"
+            f" {bounds.hi:g})"
+        )
+    return f"'{name}' must be a number from {-bounds.hi if bounds.signed else 0:g} to {bounds.hi:g}"
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -204,7 +225,7 @@ def _stop(value: Any) -> list[str] | None:
 def _max_tokens(body: dict[str, Any]) -> dict[str, Any]:
     """`max_completion_tokens` (the newer name) or `max_tokens`, and which one it was."""
     for name in ("max_completion_tokens", "max_tokens"):
-        value = _integer(body, name, 1, 1 << 24)
+        value = _integer(body, name, 1, MAX_TOKENS_FIELD)
         if value is not None:
             return {"max_tokens": value, "max_tokens_field": name}
     return {}
@@ -214,7 +235,7 @@ def chat_request(body: Any) -> Generation:
     """A `/v1/chat/completions` body: `messages` rendered by the daemon's chat template."""
     common = _common(body, "messages")
     logprobs = _boolean(body, "logprobs")
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not logprobs:
         raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     asked = (top or 0) if logprobs else None
@@ -272,7 +293,7 @@ def _content(value: Any, where: str) -> str:
 def completion_request(body: Any) -> Generation:
     """A `/v1/completions` body: `prompt` a string or a list of token ids (one prompt)."""
     common = _common(body, "prompt")
-    logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
     fields = {
         **common.pop("fields"),
         **_prompt(body.get("prompt")),
@@ -287,16 +308,12 @@ def completion_request(body: Any) -> Generation:
     )
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
-
-
 def _prompt(value: Any) -> dict[str, Any]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
         return {"prompt": value}
-    if isinstance(value, list) and value and all(_is_token(t) for t in value):
+    if isinstance(value, list) and value and all(is_token_id(t) for t in value):
         return {"tokens": value}
     if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
         raise bad_field("prompt", "one prompt a request: a list of several is not supported")

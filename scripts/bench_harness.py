@@ -1,5 +1,6 @@
 """The measured workloads the benchmark scripts share: batch-1 decode and one prompt's prefill,
-and llama.cpp's llama-bench and llama-batched-bench run as the peers they are compared with.
+and llama.cpp's llama-bench and llama-batched-bench run as the peers they are compared with;
+and the lever flags' settings as the tunings an engine is loaded with.
 
 Both follow llama-bench: decode tokens/s is generation after a 1-token prompt
 (its tg; greedy unless sampling parameters are given), or after a prompt of `depth`
@@ -10,19 +11,26 @@ those ids.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import re
 import subprocess
 import time
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
+from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.engine.engine import Engine
 from rocforge_rt.step.sampling import SamplingParams
+
+Levers = tuple[tuple[str, float], ...]  # ATTR=VALUE settings of a lever flag, in order
+Tuning = TypeVar("Tuning")  # a frozen tuning dataclass (MatmulTuning, AttentionTuning)
 
 # The sampled decode the benchmarks time beside greedy decode (bench_decode's
 # "decode_sampled", decode_timeline --sampled): a drawn token under common cuts.
@@ -204,7 +212,7 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def lever_settings(text: str) -> tuple[tuple[str, float], ...]:
+def lever_settings(text: str) -> Levers:
     """ATTR=VALUE[,ATTR=VALUE...] of a benchmark's --matmul-lever or --attention-lever, each
     VALUE a number (an argparse type)."""
     settings = []
@@ -220,15 +228,57 @@ def lever_settings(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(settings)
 
 
-def set_levers(backend: Any, part: str, settings: Sequence[tuple[str, float]]) -> str:
-    """Set each numeric attribute of the backend's `part` (its matmul or attention) to its
-    value; returns the settings as a label suffix (" [a=1,b=2]", "" for none). ValueError
-    where that part lacks such an attribute."""
-    owner = getattr(backend, part, None)
+# What a tuning field of each type takes from the command line.
+LEVER_KINDS = {
+    bool: "0 or 1",
+    int: "a whole number",
+    int | None: "a whole number",
+    float: "a number",
+}
+
+
+def tuned(tuning: Tuning, settings: Levers) -> Tuning:
+    """A frozen tuning dataclass with each ATTR=VALUE of `settings` in its place: a bool
+    field takes 0 or 1, an int field a whole number (or None where it may be None), a float
+    field any number. ValueError naming the attribute where the tuning has no such field or
+    the value is not of its kind."""
+    owner = type(tuning).__name__
+    kinds = typing.get_type_hints(type(tuning))
+    levers = [f.name for f in dataclasses.fields(tuning)]
+    changes = {}
     for attr, value in settings:
-        if not isinstance(getattr(owner, attr, None), int | float):
-            raise ValueError(
-                f"the {backend.name} backend has no numeric {part.title()} attribute {attr!r}"
-            )
-        setattr(owner, attr, value)
+        if attr not in levers:
+            raise ValueError(f"{owner} has no lever {attr!r} (its levers: {', '.join(levers)})")
+        kind = kinds[attr]
+        if kind is bool and value in (0, 1):
+            changes[attr] = bool(value)
+        elif kind in (int, int | None) and isinstance(value, int):
+            changes[attr] = value
+        elif kind is float:
+            changes[attr] = float(value)
+        else:
+            raise ValueError(f"{owner}.{attr} takes {LEVER_KINDS.get(kind, kind)}, not {value!r}")
+    return dataclasses.replace(tuning, **changes)
+
+
+# The tuning each lever flag changes (--matmul-lever: "matmul", --attention-lever:
+# "attention"): the backend option (BackendOptions' field) that takes it, and its default.
+LEVER_TUNINGS: dict[str, tuple[str, Any]] = {
+    "matmul": ("matmul_tuning", MatmulTuning()),
+    "attention": ("attention_tuning", AttentionTuning()),
+}
+
+
+def lever_options(part: str, settings: Levers) -> dict[str, Any]:
+    """The backend options (`Engine.load`'s, `BackendOptions`' fields) that load an engine
+    with a lever flag's settings: `part`'s tuning with them in place, {} for none.
+    ValueError naming a lever the tuning lacks (`tuned`)."""
+    if not settings:
+        return {}
+    option, default = LEVER_TUNINGS[part]
+    return {option: tuned(default, settings)}
+
+
+def lever_label(settings: Levers) -> str:
+    """The settings as a label suffix (" [a=1,b=2]", "" for none)."""
     return f" [{','.join(f'{attr}={value}' for attr, value in settings)}]" if settings else ""
