@@ -42,7 +42,7 @@
 // grid stride, so the host may launch fewer blocks than groups.
 // Successor launch (programmatic dependent launch): with release_early the next kernel
 // may launch as soon as this one's wait is over, else only at its end. A grid that leaves
-// multiprocessors idle (the host decides: Matmul.gemv) gains from the early release, since
+// multiprocessors idle (the host decides: matmul_plan.plan_gemv) gains from the early release, since
 // the next kernel's blocks start loading on them; a grid that fills the device loses, its
 // successor's blocks crowding onto the first multiprocessors to free up.
 // Epilogues: RF_EPILOGUE_STORE; RF_EPILOGUE_RESIDUAL adds the residual (out may alias it);

@@ -130,7 +130,7 @@ def row_quantized_by_writer(shape: Shape, backend: GpuBackend) -> bool:
     """Whether a decode step hands this one-row GEMV its row already quantized by the kernel
     that wrote it (so no rf_quantize_q8_gemv launch precedes it): the O projection's by the
     attention kernel, the down projection's by the gate|up GEMV where that one's 32-blocks
-    of outputs spread evenly over the multiprocessors (Matmul.gemv)."""
+    of outputs spread evenly over the multiprocessors (matmul_plan.plan_gemv)."""
     if shape.row_from == "attention":
         return backend.attention.tuning.quantize_out
     if shape.row_from == "swiglu":

@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
-from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
+from rocforge_rt.backends.gpu.attention_plan import DEFAULT_ATTENTION_TUNING, AttentionTuning
+from rocforge_rt.backends.gpu.matmul_plan import DEFAULT_MATMUL_TUNING, MatmulTuning
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
@@ -39,8 +39,8 @@ class BackendOptions:
     batch_invariant: bool = False  # prompt chunks on the int8 GEMM, not the vendor GEMM
     lookahead: bool = True  # pipelined decode (graph mode)
     # What picks the kernels and launch shapes (A/B runs; the defaults are the measured best):
-    matmul_tuning: MatmulTuning = MatmulTuning()
-    attention_tuning: AttentionTuning = AttentionTuning()
+    matmul_tuning: MatmulTuning = DEFAULT_MATMUL_TUNING
+    attention_tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING
 
     @classmethod
     def of(cls, **options: Any) -> "BackendOptions":

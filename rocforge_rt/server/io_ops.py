@@ -18,7 +18,7 @@ from rocforge_rt.server.config import DaemonConfig
 from rocforge_rt.server.engine_loop import EngineLoop
 from rocforge_rt.server.jobs import CancelCause, Job, JobBoard, Limits
 from rocforge_rt.server.metrics import DaemonMetrics
-from rocforge_rt.server.protocol import ErrorCode, ProtocolError, Request
+from rocforge_rt.server.protocol import ErrorCode, Profile, ProtocolError, Request, Stats, Trace
 
 
 class State(StrEnum):
@@ -31,7 +31,7 @@ class State(StrEnum):
 
 def is_operator_op(request: Request) -> bool:
     """Ops that change the daemon's records or switches, or show its internals."""
-    return request.op in ("trace", "profile") or (request.op == "stats" and request.reset)
+    return isinstance(request, Trace | Profile) or (isinstance(request, Stats) and request.reset)
 
 
 class IoOps:

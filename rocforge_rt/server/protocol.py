@@ -150,8 +150,9 @@ class Close(SessionRequest):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OperatorRequest(Request):
-    """An op that shows the daemon's internals or changes its records: off loopback it
-    needs the operator key."""
+    """An op that may show the daemon's internals or change its records: off loopback the
+    ones that do (trace, profile, stats with reset: io_ops.is_operator_op) need the
+    operator key."""
 
     operator_key: str | None = None
 

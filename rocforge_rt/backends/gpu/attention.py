@@ -31,7 +31,6 @@ from rocforge_rt.backends.gpu.attention_plan import (
     AttentionShape,
     AttentionTuning,
     decode_wave,
-    folds_apart,
     plan_attention,
 )
 from rocforge_rt.backends.gpu.driver import Driver
@@ -43,7 +42,6 @@ from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.step.batch import StepBatch
 
-DEFAULT_TUNING = AttentionTuning()
 HEAD_DIM_STEP = 32  # the kernels are instantiated for head dims 32, 64, 96 and 128
 LOG2_E = 1.4426950408889634  # the kernels' scores are in the log2 domain
 
@@ -76,7 +74,7 @@ class Attention:
         hparams: HParams,
         *,
         n_ctx: int,
-        tuning: AttentionTuning = DEFAULT_TUNING,
+        tuning: AttentionTuning,
     ) -> None:
         self.driver = driver
         self.launcher = launcher
@@ -129,8 +127,7 @@ class Attention:
     def folds_apart(self, batch: StepBatch) -> bool:
         """Whether the batch's decode launches leave their fold to rf_attention_fold (part of
         a decode graph's key: it changes the step's launches)."""
-        longest = int(batch.positions.max()) + 1 if batch.n_tokens else 0
-        return folds_apart(longest, self.tuning)
+        return self._step_plan(batch).fold_apart
 
     def _step_plan(self, batch: StepBatch) -> AttentionPlan:
         """The batch's attention launches, planned once for all its layers."""

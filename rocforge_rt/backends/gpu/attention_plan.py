@@ -46,6 +46,9 @@ class AttentionTuning:
     decode_wave: int | None = None
 
 
+DEFAULT_ATTENTION_TUNING = AttentionTuning()  # the measured best (docs/performance.md)
+
+
 def decode_wave(multiprocessors: int, decode_blocks_per_sm: int, tuning: AttentionTuning) -> int:
     """The decode kernel's wave: the tuning's, else the device's multiprocessors times the
     decode blocks each runs at once."""

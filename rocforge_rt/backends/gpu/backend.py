@@ -12,17 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from rocforge_rt.backends.gpu.attention import DEFAULT_TUNING as DEFAULT_ATTENTION_TUNING
 from rocforge_rt.backends.gpu.attention import Attention, check_attention_shapes
-from rocforge_rt.backends.gpu.attention_plan import AttentionTuning
+from rocforge_rt.backends.gpu.attention_plan import DEFAULT_ATTENTION_TUNING, AttentionTuning
 from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.embedding import Embedding
 from rocforge_rt.backends.gpu.executor import StepExecutor, check_mode
 from rocforge_rt.backends.gpu.kernel_constants import EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU
 from rocforge_rt.backends.gpu.kernel_library import Compiler, KernelLibrary
 from rocforge_rt.backends.gpu.launcher import Launcher
-from rocforge_rt.backends.gpu.matmul import DEFAULT_TUNING, DeviceMatrix, Matmul, repack_rows
-from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
+from rocforge_rt.backends.gpu.matmul import DeviceMatrix, Matmul, repack_rows
+from rocforge_rt.backends.gpu.matmul_plan import DEFAULT_MATMUL_TUNING, MatmulTuning
 from rocforge_rt.backends.gpu.rope import RopeKvAppend
 from rocforge_rt.backends.gpu.sampling import Sampling
 from rocforge_rt.backends.gpu.vendor_blas import open_vendor_gemm
@@ -68,7 +67,7 @@ class GpuBackend:
         batch_invariant: bool = False,
         lookahead: bool = True,
         kv_dtype: str = "f16",
-        matmul_tuning: MatmulTuning = DEFAULT_TUNING,
+        matmul_tuning: MatmulTuning = DEFAULT_MATMUL_TUNING,
         attention_tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING,
     ) -> None:
         check_mode(mode)

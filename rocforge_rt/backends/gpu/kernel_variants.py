@@ -16,6 +16,7 @@ matmul_plan.py and the op modules.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class GemvKernel:
     cluster: bool = False
     kv_fp8: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         epilogue = f"_{self.epilogue}" if self.epilogue else ""
         return (
@@ -231,7 +232,7 @@ class MmvKernel:
     epilogue: str = ""
     kv_fp8: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         s = self.shape
         epilogue = f"_{self.epilogue}" if self.epilogue else ""
@@ -265,7 +266,7 @@ class GemmKernel:
 
     fmt: str
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_gemm_{self.fmt}"
 
@@ -281,7 +282,7 @@ class QuantizeRowsKernel:
 
     layout: str
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_quantize_q8_{self.layout}"
 
@@ -303,7 +304,7 @@ class AttentionKernel:
     head_dim: int
     kv_fp8: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_attention_{self.op}_d{self.head_dim}{_pool(self.kv_fp8)}"
 
@@ -329,7 +330,7 @@ class RopeKvKernel:
 
     kv_fp8: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_rope_kv_append{_pool(self.kv_fp8)}"
 
@@ -350,7 +351,7 @@ class EmbedKernel:
     fmt: str
     split: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_embed_{self.fmt}{'_split' * self.split}"
 
@@ -368,7 +369,7 @@ class DequantF16Kernel:
 
     fmt: str
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"rf_dequant_f16_{self.fmt}"
 

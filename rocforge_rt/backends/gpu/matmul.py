@@ -63,6 +63,7 @@ from rocforge_rt.backends.gpu.kernel_variants import (
 from rocforge_rt.backends.gpu.launcher import Launcher
 from rocforge_rt.backends.gpu.matmul_plan import (
     DeviceCaps,
+    GemvLaunch,
     GemvShape,
     MatmulTuning,
     epilogue_variant,
@@ -75,7 +76,6 @@ from rocforge_rt.errors import BackendError
 from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 
-DEFAULT_TUNING = MatmulTuning()
 MMV_TILE = 16  # weight rows of a block: the mma's M (outputs: 16, or 8 gate|up pairs)
 
 _BLOCK_LAYOUT = {
@@ -83,6 +83,11 @@ _BLOCK_LAYOUT = {
     GGMLQuantizationType.Q4_0: (Q4_0_BLOCK_BYTES, QK // 2, "q4_0"),
     GGMLQuantizationType.Q8_0: (Q8_0_BLOCK_BYTES, QK, "q8_0"),
 }
+FORMATS = tuple(fmt for _, _, fmt in _BLOCK_LAYOUT.values())
+# The kernel names of the one-row families, spelled once (kernel_variants.py).
+QUANTIZE_ROWS_NAMES = {layout: QuantizeRowsKernel(layout).name for layout in ("rows", "tiles")}
+GEMM_NAMES = {fmt: GemmKernel(fmt).name for fmt in FORMATS}
+DEQUANT_F16_NAMES = {fmt: DequantF16Kernel(fmt).name for fmt in FORMATS}
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class Matmul:
         n_ctx: int,
         max_tokens: int,
         vendor_gemm: VendorGemm | None,
-        tuning: MatmulTuning = DEFAULT_TUNING,
+        tuning: MatmulTuning,
     ) -> None:
         self.driver = driver
         self.launcher = launcher
@@ -149,6 +154,9 @@ class Matmul:
         self.batch_invariant = vendor_gemm is None
         # The fewest activation rows that take a GEMM (compared on the hot path).
         self.gemm_min_rows = MMV_MAX_ROWS + 1 if tuning.use_prefill_gemm else math.inf
+        # Plans by their inputs, looked up per call (planning is pure but not free).
+        self._gemv_plans: dict[tuple, tuple[GemvLaunch, ...]] = {}
+        self._mmv_kernels: dict[tuple[str, int, int, str, bool], MmvKernel] = {}
 
     def retuned(self, tuning: MatmulTuning) -> "Matmul":
         """This matmul planned with another tuning: a new object over the same launcher and
@@ -212,11 +220,15 @@ class Matmul:
         """
         k = matrix.k
         variant = epilogue_variant(epilogue, rope_layer)
-        shape = GemvShape(matrix.fmt, n_out, k, x.rows, variant, gain is not None, x.q8 != 0,
-                          variant == "rope" and self.ws.kv_fp8)  # fmt: skip
+        key = (matrix.fmt, n_out, k, x.rows, variant, gain is not None, x.q8 != 0,
+               variant == "rope" and self.ws.kv_fp8)  # fmt: skip
+        launches = self._gemv_plans.get(key)
+        if launches is None:
+            launches = plan_gemv(GemvShape(*key), self.caps, self.tuning)
+            self._gemv_plans[key] = launches
         gain_ptr = gain.ptr if gain is not None else 0
         q8_out = 0
-        for launch in plan_gemv(shape, self.caps, self.tuning):
+        for launch in launches:
             first, rows, kernel = launch.first, launch.rows, launch.kernel
             x_ptr = x.ptr + first * k * 4
             xq_ptr = x.q8 if launch.copies_writer_q8 else 0
@@ -294,7 +306,7 @@ class Matmul:
     ) -> None:
         """Normalize (with a gain) and quantize rows to q8 in `layout`: "rows" (the GEMM's)
         or "tiles" (the MMV's) into xq_ptr / xd_ptr (rf_quantize_q8_<layout>)."""
-        kernel = QuantizeRowsKernel(layout).name
+        kernel = QUANTIZE_ROWS_NAMES[layout]
         gain_ptr = gain.ptr if gain is not None else 0
         self._launch(
             (kernel, x_ptr, rows, k, gain_ptr),
@@ -331,7 +343,7 @@ class Matmul:
             rows = min(MMV_MAX_ROWS, x.rows - first)
             self._quantize_rows(x.ptr + first * k * 4, rows, k, gain, "tiles",
                                 ws.mmv_xq.ptr, ws.mmv_xq_d.ptr)  # fmt: skip
-            kernel = MmvKernel(matrix.fmt, self.mmv_shape(mmv_tiles(rows), blocks), variant, kv_fp8)
+            kernel = self._mmv_kernel(matrix.fmt, rows, blocks, variant, kv_fp8)
             head = (matrix.qs.ptr, matrix.d.ptr, n_out, k, ws.mmv_xq.ptr, ws.mmv_xq_d.ptr, rows)
             tail = self._store_args(first, n_out, out_ptr, epilogue, residual_ptr, rope_layer)
             self._launch(
@@ -341,6 +353,17 @@ class Matmul:
                 (kernel.threads, 1, 1),
                 head + tail,
             )
+
+    def _mmv_kernel(
+        self, fmt: str, rows: int, blocks: int, variant: str, kv_fp8: bool
+    ) -> MmvKernel:
+        """The rf_mmv kernel of a launch of `rows` activation rows over `blocks` blocks."""
+        key = (fmt, rows, blocks, variant, kv_fp8)
+        kernel = self._mmv_kernels.get(key)
+        if kernel is None:
+            shape = self.mmv_shape(mmv_tiles(rows), blocks)
+            kernel = self._mmv_kernels[key] = MmvKernel(fmt, shape, variant, kv_fp8)
+        return kernel
 
     def mmv_shape(self, tiles: int, blocks: int) -> MmvShape:
         """The shape of an rf_mmv launch of `blocks` blocks of `tiles` 8-row tiles
@@ -370,7 +393,7 @@ class Matmul:
         tile_n = GEMM_TILE_N // 2 if epilogue == EPILOGUE_SWIGLU else GEMM_TILE_N
         self._launch(
             ("gemm", matrix.qs.ptr, epilogue, x.rows, out_ptr),
-            GemmKernel(matrix.fmt).name,
+            GEMM_NAMES[matrix.fmt],
             (math.ceil(x.rows / GEMM_TILE_M), math.ceil(n_out / tile_n), 1),
             (GEMM_THREADS, 1, 1),
             (
@@ -424,7 +447,7 @@ class Matmul:
             n = min(slab, matrix.n - first)
             self._launch(
                 ("dequant_f16", matrix.qs.ptr, first),
-                DequantF16Kernel(matrix.fmt).name,
+                DEQUANT_F16_NAMES[matrix.fmt],
                 (math.ceil(n * k // DEQUANT_PART / F16_THREADS), 1, 1),
                 (F16_THREADS, 1, 1),
                 (

@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.kernel_constants import (
     EPILOGUE_SWIGLU,
     GEMV_CLUSTER_MAX_K,
@@ -34,6 +34,9 @@ from rocforge_rt.backends.gpu.kernel_variants import (
     mmv_shapes,
 )
 from rocforge_rt.errors import BackendError
+
+if TYPE_CHECKING:  # annotations only: the planners run without a driver
+    from rocforge_rt.backends.gpu.driver import Driver
 
 GEMV_SHARED_LIMIT = 48 * 1024  # portable without opt-in (AMD LDS is 64 KiB)
 # A _bulk GEMV's k is a multiple of this: each row's chunk of scales then a multiple of
@@ -87,6 +90,9 @@ class MatmulTuning:
     gemv_bulk_min_n: int = 32768
     gemv_bulk_shared: int = 100 << 10
     gemv_bulk_blocks_per_sm: int = 2
+
+
+DEFAULT_MATMUL_TUNING = MatmulTuning()  # the measured best (docs/performance.md)
 
 
 @dataclass(frozen=True)
