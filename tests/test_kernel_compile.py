@@ -128,17 +128,29 @@ def get_compiler() -> Callable[[str], Compiler]:
 
 
 @pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's kernel cache folder, empty at first: `built` compiles into it."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
+@pytest.fixture(scope="session")
+def cold_libraries() -> dict[str, KernelLibrary]:
+    """`built`'s library per target: the first to load each source, from an empty cache."""
+    return {}
+
+
+@pytest.fixture(scope="session")
 def built(
-    get_compiler: Callable[[str], Compiler], tmp_path_factory: pytest.TempPathFactory
+    get_compiler: Callable[[str], Compiler],
+    kernel_cache: Path,
+    cold_libraries: dict[str, KernelLibrary],
 ) -> Callable[[str, str], CodeObject]:
     """Code object of (target, source), compiled once per session."""
-    cache = tmp_path_factory.mktemp("kernel-cache")
-    libraries: dict[str, KernelLibrary] = {}
 
     def get(arch: str, source: str) -> CodeObject:
-        if arch not in libraries:
-            libraries[arch] = KernelLibrary(get_compiler(arch), cache_dir=cache)
-        return libraries[arch].load(source)
+        if arch not in cold_libraries:
+            cold_libraries[arch] = KernelLibrary(get_compiler(arch), cache_dir=kernel_cache)
+        return cold_libraries[arch].load(source)
 
     return get
 
@@ -204,14 +216,19 @@ def test_compile_error_carries_log(get_compiler: Callable[[str], Compiler], arch
 
 @pytest.mark.parametrize("arch", TARGETS)
 def test_warm_start_compiles_nothing(
-    get_compiler: Callable[[str], Compiler], arch: str, tmp_path: Path
+    get_compiler: Callable[[str], Compiler],
+    built: Callable[[str, str], CodeObject],
+    kernel_cache: Path,
+    cold_libraries: dict[str, KernelLibrary],
+    arch: str,
 ) -> None:
-    compiler = get_compiler(arch)
-    cold = KernelLibrary(compiler, cache_dir=tmp_path)
-    first = cold.load_all()
-    assert cold.compiles == len(SOURCES) and cold.cache_hits == 0
+    """The session's cold compiles (shared with the tests above, so each source compiles
+    once a target; their later loads are the cache's hits) fill the cache; a new library
+    over it compiles nothing."""
+    first = {source: built(arch, source) for source in SOURCES}
+    assert cold_libraries[arch].compiles == len(SOURCES)
 
-    warm = KernelLibrary(compiler, cache_dir=tmp_path)
+    warm = KernelLibrary(get_compiler(arch), cache_dir=kernel_cache)
     again = warm.load_all()
     assert warm.compiles == 0 and warm.cache_hits == len(SOURCES)
     assert {n: c.code for n, c in again.items()} == {n: c.code for n, c in first.items()}
@@ -219,7 +236,7 @@ def test_warm_start_compiles_nothing(
     changed = warm.load("embedding.hip", defines={"RF_TEST_VARIANT": 1})
     assert warm.compiles == 1
     assert changed.key != first["embedding.hip"].key
-    assert not list(tmp_path.glob(".*.tmp")), "temporary cache files left behind"
+    assert not list(kernel_cache.glob(".*.tmp")), "temporary cache files left behind"
 
 
 def test_failed_compile_is_not_cached(
