@@ -21,6 +21,7 @@ fails. JSON to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -33,6 +34,7 @@ from bench_harness import Levers, lever_options, lever_settings, positive_ints
 
 from rocforge_rt.backends import BackendOptions, create_backend
 from rocforge_rt.backends.gpu.graph import replay_us_per_launch
+from rocforge_rt.backends.gpu.launcher import IssueSettings
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.model.synthetic import SHAPES
 from rocforge_rt.step.batch import StepBatch
@@ -70,13 +72,15 @@ def run_case(args: argparse.Namespace, depth: int, rows: int, rng: np.random.Gen
     batch = StepBatch.decode([0] * rows, [depth - 1] * rows, list(range(rows)))
     settings: list[Levers] = [(), *args.attention_lever]
     backends = []
-    try:
+    with contextlib.ExitStack() as stack:
         for setting in settings:
             options = BackendOptions(max_tokens=max(rows, 8), mode="deferred",
                                      **lever_options("attention", setting))  # fmt: skip
             gpu = create_backend("cuda", hp, n_slots=rows, n_ctx=n_ctx, options=options)
             backends.append(gpu)
-            gpu.launcher.overlap_step = gpu.driver.supports_overlap  # as in a decode step
+            stack.callback(gpu.driver.close)  # every buffer of that backend
+            as_in_decode = IssueSettings(overlap=gpu.driver.supports_overlap)
+            stack.enter_context(gpu.launcher.issuing(as_in_decode))
             for layer in range(copies):
                 gpu.driver.copy_htod(gpu.workspace.k_cache[layer], keys)
                 gpu.driver.copy_htod(gpu.workspace.v_cache[layer], values)
@@ -95,9 +99,6 @@ def run_case(args: argparse.Namespace, depth: int, rows: int, rng: np.random.Gen
                 ))  # fmt: skip
         error = cpu_error(hp, keys, values, queries, batch, outputs[0])
         device = backends[0].driver.info.name
-    finally:
-        for gpu in backends:
-            gpu.driver.close()  # every buffer of that backend
     moved = read_bytes(hp, rows, depth)
     result = {"device": device, "depth": depth, "rows": rows, "layers_rotated": copies,
               "read_bytes": moved, "rel_error_vs_cpu": error, "settings": []}  # fmt: skip

@@ -56,6 +56,7 @@ from rocforge_rt.backends.gpu.kernel_constants import (
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
 from rocforge_rt.backends.gpu.kernel_variants import GEMV_KERNELS, GemvKernel, gemv_rows_per_warp
 from rocforge_rt.backends.gpu.launch import LaunchHandle
+from rocforge_rt.backends.gpu.launcher import IssueSettings
 from rocforge_rt.backends.gpu.matmul import DeviceMatrix, Matmul, repack_rows
 from rocforge_rt.backends.gpu.matmul_plan import (
     MatmulTuning,
@@ -400,7 +401,7 @@ def main() -> int:
     backend = GpuBackend(driver, compiler, hp, n_slots=1, n_ctx=64, max_tokens=8,
                          mode="deferred", matmul_tuning=tuning)  # fmt: skip
     # Launches overlap their predecessors' tails, as in a decode step (where supported).
-    backend.launcher.overlap_step = driver.supports_overlap
+    as_in_decode = backend.launcher.issuing(IssueSettings(overlap=driver.supports_overlap))
     Bench.compiler = compiler
     bench = Bench(driver, backend, args.baseline)
     bench.bulk_budgets = [int(kib) << 10 for kib in args.bulk_shared.split(",")]
@@ -408,12 +409,13 @@ def main() -> int:
     print(f"device: {driver.info.name}, {driver.info.multiprocessors} SMs{levers}", flush=True)
     rng = np.random.default_rng(0)
     results = []
-    for group in args.shapes.split(","):
-        for shape in SHAPES[group]:
-            if args.only and args.only not in shape.name:
-                continue
-            for rows in (int(r) for r in args.rows.split(",")):
-                results.extend(run_shape(bench, shape, rows, args.reps, rng))
+    with as_in_decode:
+        for group in args.shapes.split(","):
+            for shape in SHAPES[group]:
+                if args.only and args.only not in shape.name:
+                    continue
+                for rows in (int(r) for r in args.rows.split(",")):
+                    results.extend(run_shape(bench, shape, rows, args.reps, rng))
 
     print("\nbest per shape (µs, TB/s of weights) vs auto and baseline:")
     by_shape: dict[tuple[str, int], list[dict]] = {}

@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,34 +52,28 @@ from bench_harness import (
 from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+from rocforge_rt.step.forward import BracketedOps
 
 GEMM_OPS = ("norm_qkv_rope", "matmul_add", "norm_gate_up_swiglu")  # QKV's time has RoPE's
-TIMED_OPS = ("embed", *GEMM_OPS, "attention", "lm_head")
 DEFAULT_LENGTHS = "128,512,2048,4096,8192"
 
 
-class EventTimedOps:
-    """Stands in for engine.ops: brackets each op call with device events on the stream."""
+class EventTimes:
+    """Device events around each forward op on the backend's stream (a `BracketedOps`
+    bracket)."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: GpuBackend) -> None:
         self._backend = backend
         self.marks: list[tuple[str, Any, Any]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._backend, name)
-        if name not in TIMED_OPS:
-            return attr
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            driver, stream = self._backend.driver, self._backend.stream
-            start, end = driver.create_event(), driver.create_event()
-            start.record(stream)
-            result = attr(*args, **kwargs)
-            end.record(stream)
-            self.marks.append((name, start, end))
-            return result
-
-        return timed
+    def bracket(self, name: str, call: Callable[[], Any]) -> Any:
+        driver, stream = self._backend.driver, self._backend.stream
+        start, end = driver.create_event(), driver.create_event()
+        start.record(stream)
+        result = call()
+        end.record(stream)
+        self.marks.append((name, start, end))
+        return result
 
     def totals_ms(self) -> dict[str, float]:
         totals: dict[str, float] = defaultdict(float)
@@ -89,8 +84,8 @@ class EventTimedOps:
 
 
 def breakdown(engine: Engine, n_prompt: int, rng: np.random.Generator) -> dict[str, float]:
-    timed = EventTimedOps(engine.backend)
-    engine.ops = timed
+    timed = EventTimes(engine.backend)
+    engine.ops = BracketedOps(engine.backend, timed.bracket)
     try:
         start = time.perf_counter()
         prompt_tokens_per_s(engine, n_prompt, rng)

@@ -44,7 +44,7 @@ from rocforge_rt.server.engine_loop import END_OF_REPLIES
 from rocforge_rt.server.io_ops import State
 from rocforge_rt.server.replies import Outbox, pack_batch, unpack_batch
 from rocforge_rt.server.security import SecurityError, generate_keys
-from rocforge_rt.step.forward import LAYER_OPS
+from rocforge_rt.step.forward import LAYER_OPS, BracketedOps
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
 OPS_PER_TINY_STEP = 1 + 2 * len(LAYER_OPS) + 1  # embed, two layers, LM head
@@ -62,27 +62,13 @@ TINY = {
 }
 
 
-class _DelayedOps:
-    """Forward ops that sleep before each call: a slow device."""
-
-    def __init__(self, ops: Any, delay: float) -> None:
-        self._ops, self._delay = ops, delay
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._ops, name)
-        if not callable(attr):
-            return attr
-
-        def delayed(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(self._delay)
-            return attr(*args, **kwargs)
-
-        return delayed
-
-
 def slow(delay: float = 0.002) -> Callable[[Engine], None]:
+    def delayed(name: str, call: Callable[[], Any]) -> Any:
+        time.sleep(delay)  # a slow device
+        return call()
+
     def hook(engine: Engine) -> None:
-        engine.ops = _DelayedOps(engine.ops, delay)
+        engine.ops = BracketedOps(engine.ops, delayed)
 
     return hook
 
@@ -505,15 +491,14 @@ def test_a_client_that_vanishes_mid_stream_frees_its_work(slow_daemon: Daemon) -
 
 
 def test_an_engine_failure_fails_its_request_only(tiny_model: Path) -> None:
-    def fail_on_token_13(engine: Engine) -> None:
-        embed = engine.ops.embed
-
-        def embed_or_fail(table: Any, batch: Any) -> Any:
+    class FailOnToken13(BracketedOps):
+        def embed(self, table: Any, batch: Any) -> Any:
             if 13 in batch.tokens.tolist():
                 raise RuntimeError("injected fault")
-            return embed(table, batch)
+            return super().embed(table, batch)
 
-        engine.ops.embed = embed_or_fail
+    def fail_on_token_13(engine: Engine) -> None:
+        engine.ops = FailOnToken13(engine.ops, lambda name, call: call())
 
     with serving(tiny_model, fail_on_token_13) as daemon, connect(daemon.endpoint) as client:
         healthy = client.open(tokens=PROMPT, max_tokens=6)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from rocforge_rt.backends.gpu.kernel_variants import MMV_KERNELS, MmvKernel, mmv_tiles
+from rocforge_rt.backends.gpu.kernel_variants import MMV_KERNELS, MmvKernel, mmv_shapes, mmv_tiles
 from rocforge_rt.backends.gpu.matmul_plan import (
     DeviceCaps,
     GemvShape,
@@ -125,6 +125,16 @@ def test_mmv_shapes_plan_as_before(model: str, rows: int) -> None:
         kernel = MmvKernel(head if op == "lm_head" else "q4_0", shape, epilogue)
         assert kernel in MMV_KERNELS
         assert kernel.name == f"rf_mmv_{kernel.fmt}_{suffix}", op
+
+
+def test_an_mmv_shape_index_picks_that_shape_of_every_tile_count() -> None:
+    """`mmv_shape_index` overrides the warps rule: shape i of each tile count's declared
+    shapes, the last past them."""
+    for tiles in (1, 2, 4, 8):
+        shapes = mmv_shapes(tiles)
+        for index in range(len(shapes) + 1):
+            tuning = replace(TUNING, mmv_shape_index=index)
+            assert mmv_shape(tiles, 1, H100, tuning) == shapes[min(index, len(shapes) - 1)]
 
 
 def test_a_tuning_changes_the_plan_and_devices_without_clusters_or_bulk_copies() -> None:

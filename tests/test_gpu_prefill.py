@@ -10,6 +10,10 @@ batch-invariant prompt's last logits from one prefill chunk equal those of the s
 prompt finished by a decode step, and both GEMMs follow the CPU engine.
 """
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -19,8 +23,9 @@ from rocforge_rt.backends import BackendOptions, create_backend
 from rocforge_rt.backends.cpu import CpuBackend
 from rocforge_rt.backends.cpu_arithmetic import quantize_q8, rms_normalize, silu
 from rocforge_rt.backends.gpu import cuda
+from rocforge_rt.backends.gpu.backend import GpuBackend
 from rocforge_rt.backends.gpu.kernel_constants import GEMV_MAX_ROWS, MMV_MAX_ROWS
-from rocforge_rt.backends.gpu.kernel_variants import MmvShape, mmv_shapes
+from rocforge_rt.backends.gpu.kernel_variants import mmv_shapes
 from rocforge_rt.backends.gpu.matmul_plan import MatmulTuning
 from rocforge_rt.backends.gpu.workspace import Activation
 from rocforge_rt.engine.engine import Engine
@@ -190,11 +195,22 @@ def test_gemm_over_q8_0_weights_matches_the_cpu(gpu, cpu, k, n):
             assert rel_error(got, expected) <= tolerance, (rows, tolerance)
 
 
-def each_mmv_shape(tiles: int, choice: int) -> MmvShape:
-    """MMV shape `choice` of those declared for `tiles` 8-row tiles (the last past them):
-    passes over choices 0, 1, ... run every declared rf_mmv kernel."""
-    shapes = mmv_shapes(tiles)
-    return shapes[min(choice, len(shapes) - 1)]
+@contextmanager
+def each_mmv_shape(gpu: GpuBackend) -> Iterator[Iterator[int]]:
+    """The backend's matmuls planned with MMV shape 0, 1, ... of each tile count in turn (the
+    last past a count's declared shapes), as each yielded index is taken: every declared
+    rf_mmv kernel runs. The backend's own tuning after."""
+    own = gpu.matmul
+
+    def shapes() -> Iterator[int]:
+        for index in range(max(len(mmv_shapes(t)) for t in (1, 2, 4, 8))):
+            gpu.matmul = own.retuned(dataclasses.replace(own.tuning, mmv_shape_index=index))
+            yield index
+
+    try:
+        yield shapes()
+    finally:
+        gpu.matmul = own
 
 
 @pytest.mark.parametrize("k", [576, 608, 4096, 14336])  # 608: an odd block count
@@ -221,11 +237,11 @@ def test_gemm_and_gemv_give_bit_identical_rows(invariant_gpu, k, qtype):
         return [norm, swiglu, added]
 
     chunk = run(x.shape[0])
-    for choice in range(max(len(mmv_shapes(t)) for t in (1, 2, 4, 8))):  # each MMV shape (TW, KS)
-        gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
-        for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
-            for batch, prompt in zip(run(rows), chunk, strict=True):
-                assert np.array_equal(batch, prompt[:rows]), (rows, choice)
+    with each_mmv_shape(gpu) as shapes:
+        for choice in shapes:
+            for rows in (1, 2, GEMV_MAX_ROWS, 9, 16, 17, 32, 33, MMV_MAX_ROWS):
+                for batch, prompt in zip(run(rows), chunk, strict=True):
+                    assert np.array_equal(batch, prompt[:rows]), (rows, choice)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -261,11 +277,11 @@ def test_qkv_rope_writes_the_same_q_k_v_for_decode_rows_and_prompt_chunks(cpu, k
         return q, *caches
 
     chunk = run(chunk_rows)
-    for choice in range(max(len(mmv_shapes(t)) for t in (1, 2, 4, 8))):
-        gpu.matmul.mmv_shape = lambda tiles, _, i=choice: each_mmv_shape(tiles, i)
-        for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
-            for decode, prompt in zip(run(rows), chunk, strict=True):
-                assert np.array_equal(decode, prompt[:rows]), (rows, choice)
+    with each_mmv_shape(gpu) as shapes:
+        for choice in shapes:
+            for rows in (1, 2, GEMV_MAX_ROWS, 17, MMV_MAX_ROWS):
+                for decode, prompt in zip(run(rows), chunk, strict=True):
+                    assert np.array_equal(decode, prompt[:rows]), (rows, choice)
     batch = StepBatch.prefill(list(range(chunk_rows)), 3, 0)
     q_ref = CpuBackend(hp, 1, n_ctx).norm_qkv_rope(x, gain_tensor.data, dense, 0, batch)
     assert rel_error(chunk[0], q_ref.reshape(chunk[0].shape)) <= 1e-3

@@ -47,7 +47,7 @@ from rocforge_rt.backends.gpu.kernel_variants import (
     mmv_tiles,
 )
 from rocforge_rt.backends.gpu.launch import ARG_TYPES, LaunchHandle
-from rocforge_rt.backends.gpu.launcher import Launcher
+from rocforge_rt.backends.gpu.launcher import BETWEEN_STEPS, Launcher
 from rocforge_rt.backends.gpu.matmul import DeviceMatrix
 from rocforge_rt.backends.gpu.matmul_plan import (
     GEMV_BULK_K_MULTIPLE,
@@ -391,6 +391,28 @@ def test_each_step_samples_into_its_readback_set_and_only_logits_are_copied_back
         ]
     sets = [readback.tokens.device_ptr for readback in gpu.workspace.readbacks]
     assert sampled_into == [sets[0], sets[1], sets[0], sets[1]]
+
+
+def test_a_timed_step_that_fails_while_issuing_opens_its_gate_and_leaves_no_settings() -> None:
+    """A step the kernel timer samples is issued behind the gate with its launches timed;
+    when its forward raises, the gate is opened (what was queued runs) and the launches
+    after it are made as between steps, untimed, and the next step runs."""
+    hp = hparams(n_vocab=512)
+    with fake_h100(hp, "deferred") as (gpu, model):
+        gpu.kernel_timer.enabled, gpu.kernel_timer.every = True, 1
+
+        def fails(batch: StepBatch) -> object:
+            forward(gpu, model, batch)
+            assert gpu.launcher.settings.timer is gpu.kernel_timer
+            raise BackendError("lost")
+
+        with pytest.raises(BackendError, match="lost"):
+            gpu.run_step(StepBatch.decode([1], [5], [0]), fails, False)
+        assert gpu.workspace.gate.view(np.uint32, 1)[0] == 1
+        assert gpu.launcher.settings == BETWEEN_STEPS
+        output = gpu.run_step(StepBatch.decode([1], [5], [0]), lambda b: forward(gpu, model, b),
+                              False)  # fmt: skip
+        assert len(output.tokens) == 1
 
 
 def test_greedy_and_drawn_decode_steps_in_turn_replay_their_graphs_without_recapturing() -> None:

@@ -191,7 +191,7 @@ def test_an_unstable_arg_cache_is_reported():
 
 # --- op timer -------------------------------------------------------------------------------
 def test_op_timer_reports_the_loop_around_each_step_and_its_host_time_outside_engine_step():
-    timer = OpTimer(object())
+    timer = OpTimer()
     for loop_ns, engine_ns in ((3_000_000, 2_000_000), (5_000_000, 3_000_000)):
         with timer.step("decode", n_tokens=4, n_seqs=4):
             pass
@@ -210,7 +210,7 @@ def test_op_timer_reports_the_loop_around_each_step_and_its_host_time_outside_en
 def test_a_snapshot_between_a_step_and_its_iterations_end_still_has_the_iteration_hold_it():
     """The I/O thread reads the figures while the engine thread runs: a slow last step whose
     iteration is not on record yet still leaves the loop time above the step time."""
-    timer = OpTimer(object())
+    timer = OpTimer()
     for _ in range(2):
         with timer.step("decode", n_tokens=1, n_seqs=1):
             pass

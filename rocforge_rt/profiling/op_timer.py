@@ -1,7 +1,8 @@
 """Host time of each forward op, by name: the launch-overhead table.
 
-`OpTimer` stands in for `engine.ops` (what `forward()` calls): each op method
-call is timed on the host with `perf_counter_ns`. Calls are grouped into steps
+`OpTimer.bracket` is wrapped around every op that `forward()` calls (through
+`step.forward.BracketedOps` in place of `engine.ops`): each call is timed on the host
+with `perf_counter_ns`. Calls are grouped into steps
 (one prefill chunk, or one batched decode step) by the engine thread, which
 owns the timer; `snapshot` and `reset` may be called from any thread.
 
@@ -13,8 +14,7 @@ iteration around a step (taking requests, sending replies, publishing usage) and
 the time inside Engine.step: their difference is the host time a daemon adds to
 each step beyond the engine's. GPU backends report what the host
 cannot see (arg-cache hits, syncs, graph replay, per-kernel launch and GPU
-times) through an optional `backend.runtime_stats()`; `recommendations.py`
-reads both.
+times) through `backend.runtime_stats()`; `recommendations.py` reads both.
 """
 
 import threading
@@ -65,10 +65,9 @@ class _StepTotals:
 
 
 class OpTimer:
-    """A proxy of a backend's forward ops that times every op method call by name."""
+    """The host time of every forward op call, by name, grouped into steps."""
 
-    def __init__(self, ops: Any, *, keep_steps: int = 64) -> None:
-        self._ops = ops
+    def __init__(self, *, keep_steps: int = 64) -> None:
         self._lock = threading.Lock()
         self._ops_totals: dict[str, _OpTotals] = {}
         self._step_totals: dict[str, _StepTotals] = {}
@@ -76,30 +75,18 @@ class OpTimer:
         self._current: list[tuple[str, int, int]] | None = None
         self._last_step_ns = 0  # the last step's duration (the engine thread's, as `loop`'s)
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._ops, name)
-        if not callable(attr):
-            return attr
-        timed = self._timed(name, attr)
-        setattr(self, name, timed)  # later lookups find it without __getattr__
-        return timed
-
-    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter_ns
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                call = (name, start, clock() - start)
-                if self._current is not None:
-                    self._current.append(call)
-                else:
-                    with self._lock:
-                        self._add_op(*call)
-
-        return timed
+    def bracket(self, name: str, call: Callable[[], Any]) -> Any:
+        """Make op `name`'s `call`, timing it (the bracket of `step.forward.BracketedOps`)."""
+        start = time.perf_counter_ns()
+        try:
+            return call()
+        finally:
+            timed = (name, start, time.perf_counter_ns() - start)
+            if self._current is not None:
+                self._current.append(timed)
+            else:
+                with self._lock:
+                    self._add_op(*timed)
 
     @contextmanager
     def step(self, kind: str, *, n_tokens: int, n_seqs: int) -> Iterator[None]:

@@ -62,6 +62,7 @@ from rocforge_rt.server.protocol import ErrorCode
 from rocforge_rt.server.refusals import Refusals
 from rocforge_rt.server.replies import Outbox, usage_map
 from rocforge_rt.server.translate import max_token_bytes
+from rocforge_rt.step.forward import BracketedOps
 
 log = logging.getLogger("rocforge.server")
 
@@ -172,8 +173,8 @@ class EngineLoop:
         plan = self._planner(self._stop_requested.is_set)
         self.limits = plan.limits
         engine = plan.build(self._stop_requested.is_set)
-        self.op_timer = OpTimer(engine.ops)
-        engine.ops = self.op_timer
+        self.op_timer = OpTimer()
+        engine.ops = BracketedOps(engine.ops, self.op_timer.bracket)
         self.engine = engine
         started = time.perf_counter()
         self._warm_up()

@@ -7,6 +7,7 @@ handles and a graph; the CPU backend runs them at once.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -108,6 +109,35 @@ class ForwardOps(Protocol):
     def matmul_add(self, x: Any, weight: Any, residual: Any) -> Any: ...
     def norm_gate_up_swiglu(self, x: Any, norm: Any, weight: Any) -> Any: ...
     def lm_head(self, x: Any, norm: Any, weight: Any, batch: StepBatch) -> Any: ...
+
+
+class BracketedOps:
+    """Forward ops that make each call of `ops` through `bracket(name, call)`: what a
+    profiler or a test wraps around every op, by the op's name."""
+
+    def __init__(self, ops: ForwardOps, bracket: Callable[[str, Callable[[], Any]], Any]) -> None:
+        self.inner = ops
+        self._bracket = bracket
+
+    def embed(self, table: Any, batch: StepBatch) -> Any:
+        return self._bracket("embed", partial(self.inner.embed, table, batch))
+
+    def norm_qkv_rope(self, x: Any, norm: Any, weight: Any, layer: int, batch: StepBatch) -> Any:
+        call = partial(self.inner.norm_qkv_rope, x, norm, weight, layer, batch)
+        return self._bracket("norm_qkv_rope", call)
+
+    def attention(self, q: Any, layer: int, batch: StepBatch) -> Any:
+        return self._bracket("attention", partial(self.inner.attention, q, layer, batch))
+
+    def matmul_add(self, x: Any, weight: Any, residual: Any) -> Any:
+        return self._bracket("matmul_add", partial(self.inner.matmul_add, x, weight, residual))
+
+    def norm_gate_up_swiglu(self, x: Any, norm: Any, weight: Any) -> Any:
+        call = partial(self.inner.norm_gate_up_swiglu, x, norm, weight)
+        return self._bracket("norm_gate_up_swiglu", call)
+
+    def lm_head(self, x: Any, norm: Any, weight: Any, batch: StepBatch) -> Any:
+        return self._bracket("lm_head", partial(self.inner.lm_head, x, norm, weight, batch))
 
 
 def upload_weights(

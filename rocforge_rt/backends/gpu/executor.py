@@ -33,6 +33,7 @@ from rocforge_rt.backends.gpu.graph import StepGraph
 from rocforge_rt.backends.gpu.kernel_constants import SAMPLE_MAX_TOP
 from rocforge_rt.backends.gpu.launch import ARG_CACHE_STATS, LaunchHandle
 from rocforge_rt.backends.gpu.launcher import Launcher
+from rocforge_rt.backends.gpu.step_profiler import StepProfiler
 from rocforge_rt.backends.gpu.workspace import Activation, Readback, Workspace
 from rocforge_rt.errors import BackendError
 from rocforge_rt.profiling.kernel_timer import KernelTimer
@@ -42,7 +43,6 @@ from rocforge_rt.step.forward import StepOutput
 from rocforge_rt.step.sampling import RowSampling
 
 STEP_MODES = ("per-kernel-sync", "deferred", "graph")
-GATE_MAX_NAPS = 250_000  # rf_hold gives up after ~0.5 s of polling (a gate never opened)
 
 
 def check_mode(mode: str) -> None:
@@ -95,6 +95,7 @@ class StepExecutor:
         self.lookahead = lookahead  # pipelined decode (the module docstring)
         self.launch_tracker = launch_tracker
         self.kernel_timer = kernel_timer
+        self.profiler = StepProfiler(driver, launcher, workspace.gate, kernel_timer, launch_tracker)
         # What else than the batch's shape and sampler a step's launches depend on.
         self._launch_variant = launch_variant
         # Decode graphs by graph_key, one for each readback set.
@@ -116,7 +117,6 @@ class StepExecutor:
     def mode(self, mode: str) -> None:
         check_mode(mode)
         self._mode = mode
-        self.launcher.sync_each = mode == "per-kernel-sync"
 
     def graph_key(self, batch: StepBatch) -> tuple[int, bool, bool, Hashable]:
         """What a decode graph's launches depend on: rows, whether they sample beyond the
@@ -176,58 +176,32 @@ class StepExecutor:
     ) -> StepOutput:
         """One step in this mode; the only synchronization is the wait for its readback.
 
-        A step the kernel timer samples is issued eagerly behind a closed gate
-        (kernels/gate.hip, except in per-kernel-sync mode) and the gate opened once all
-        of it is queued, so its kernels run back to back and their events time them.
-        `ahead`: a decode step replayed from its graph is followed by the next one (the
-        module docstring); the output's `ahead` says whether it was.
+        A step the kernel timer samples is issued eagerly (step_profiler.py). `ahead`: a
+        decode step replayed from its graph is followed by the next one (the module
+        docstring); the output's `ahead` says whether it was.
         """
         self.discard_ahead()
-        issue_start = time.perf_counter_ns()
-        tracker = self.launch_tracker if self.launch_tracker.enabled else None
-        if tracker is not None:
-            tracker.begin_step(issue_start)
-        syncs_before = self.driver.counters.syncs
-        timed = self.kernel_timer.start_step(self.steps, issue_start)
-        gated = timed and self._mode != "per-kernel-sync"
+        probe = self.profiler.begin(self.steps)
         decode_shape = batch.decode_shaped
-        replay = self._mode == "graph" and decode_shape and not timed
-        replay_timed = False
-        launcher = self.launcher
-        launcher.overlap_step = self.overlap and decode_shape
-        if gated:
-            self._close_gate()
-        launches_before = self.driver.counters.launches  # the step's own, past the gate
-        readback = self._next_readback()
-        try:
+        replay = self._mode == "graph" and decode_shape and not probe.timed
+        overlap, sync_each = self.overlap and decode_shape, self._mode == "per-kernel-sync"
+        with self.profiler.issuing(probe, overlap=overlap, sync_each=sync_each):
+            launches_before = self.driver.counters.launches  # the step's own, past the gate
+            readback = self._next_readback()
             self.write_step_state(batch)
             if replay:
                 graph = self._graph(batch, forward, readback)
-                replay_timed = self._replay(graph, tracker)
+                self.profiler.replay(probe, graph)
                 kernels = graph.kernels
             else:
-                launcher.timer = self.kernel_timer if timed else None
-                try:
-                    self._issue(batch, forward, readback)
-                finally:
-                    launcher.timer = None
+                self._issue(batch, forward, readback)
                 kernels = self.driver.counters.launches - launches_before
             step = self._queue_readback(batch, readback, want_logits, kernels)
-        finally:
-            launcher.overlap_step = False
-            if gated:
-                self.ws.gate.view(np.uint32, 1)[0] = 1  # open: the queued step runs
-                self.kernel_timer.released(time.perf_counter_ns())
-        if ahead and self.lookahead and replay and not want_logits and tracker is None:
+        if ahead and self.lookahead and replay and not want_logits and not probe.tracked:
             self._issue_ahead(step)  # when its positions fit the slots
-        self.host_ns += time.perf_counter_ns() - issue_start
+        self.host_ns += time.perf_counter_ns() - probe.start_ns
         step.readback.done.synchronize()
-        if timed:
-            self.kernel_timer.finish_step()
-        if replay_timed:
-            self.kernel_timer.finish_replay()
-        if tracker is not None:
-            tracker.end_step(time.perf_counter_ns(), self.driver.counters.syncs - syncs_before)
+        self.profiler.end(probe)
         return self._read_back(step, decode_shape)
 
     def take_ahead(self, again: bool) -> StepOutput:
@@ -316,18 +290,6 @@ class StepExecutor:
             self._graphs[key] = graphs
         return graphs[readback.index]
 
-    def _replay(self, graph: StepGraph, tracker: LaunchOverheadTracker | None) -> bool:
-        """Replay a decode graph; returns whether the kernel timer timed this replay (read it
-        after the sync)."""
-        timed = self.kernel_timer.begin_replay(self.steps)
-        replay_start = time.perf_counter_ns()
-        graph.replay()
-        if tracker is not None:
-            tracker.launched("graph_replay", replay_start, time.perf_counter_ns())
-        if timed:
-            self.kernel_timer.end_replay()
-        return timed
-
     def _next_readback(self) -> Readback:
         """The readback set a step issued now samples into (the sets are taken in turn)."""
         readback = self.ws.readbacks[self._readback]
@@ -347,14 +309,6 @@ class StepExecutor:
             self.driver.copy_dtoh(ws.logits_host, ws.logits, self.stream, nbytes=nbytes)
         readback.done.record(self.stream)
         return IssuedStep(batch, readback, top, want_logits, kernels)
-
-    def _close_gate(self) -> None:
-        """Queue a kernel that holds the stream until the gate flag is set (kernels/gate.hip)."""
-        gate = self.ws.gate
-        gate.view(np.uint32, 1)[0] = 0
-        self.launcher.launch(
-            ("gate",), "rf_hold", (1, 1, 1), (1, 1, 1), (gate.device_ptr, 1, GATE_MAX_NAPS)
-        )
 
     def _issue(
         self, batch: StepBatch, forward: Callable[[StepBatch], Activation], readback: Readback

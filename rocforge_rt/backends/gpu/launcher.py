@@ -3,13 +3,16 @@
 The launcher loads every kernel of the library onto the device and keeps each
 kernel's argument types as its C declaration gives them (`CodeObject.signatures`).
 The op families (matmul.py, attention.py, embedding.py, rope.py, sampling.py) call
-`launch` for every kernel they run; the step executor (executor.py) sets what
-applies to the step being issued: overlap, the kernel timer, capture recording and
-the per-kernel synchronization of that mode.
+`launch` for every kernel they run. What applies to the step being issued (overlap,
+the kernel timer, the per-kernel synchronization of a mode) is an `IssueSettings`
+that the step's issuer holds for the length of its issue (`issuing`); `record`
+collects the handles a capture launches.
 """
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from rocforge_rt.backends.gpu.driver import Driver
@@ -17,6 +20,18 @@ from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 from rocforge_rt.backends.gpu.launch import ArgCacheStats, LaunchHandle
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
+
+
+@dataclass(frozen=True)
+class IssueSettings:
+    """How the launches of the step being issued are made."""
+
+    overlap: bool = False  # each launch may overlap its predecessor's tail (decode steps)
+    timer: KernelTimer | None = None  # times each launch (a step the kernel timer samples)
+    sync_each: bool = False  # synchronize after every launch (per-kernel-sync mode)
+
+
+BETWEEN_STEPS = IssueSettings()  # launches made outside a step's issue
 
 
 class Launcher:
@@ -38,11 +53,17 @@ class Launcher:
             self.signatures.update(code.signatures)
         self.handles: dict[tuple, LaunchHandle] = {}
         self.kernel_stats: dict[str, ArgCacheStats] = {}  # argument-cache counters by kernel
-        # Set by the step executor for the step being issued:
-        self.overlap_step = False  # launches overlap their predecessors (decode steps only)
-        self.timer: KernelTimer | None = None  # the kernel timer while a timed step is issued
+        self.settings = BETWEEN_STEPS  # the step being issued's (`issuing`)
         self.recording: list[LaunchHandle] | None = None  # handles launched, see `record`
-        self.sync_each = False  # per-kernel-sync mode: synchronize after every launch
+
+    @contextmanager
+    def issuing(self, settings: IssueSettings) -> Iterator[None]:
+        """Make the launches inside the block with `settings`; the previous ones after it."""
+        before, self.settings = self.settings, settings
+        try:
+            yield
+        finally:
+            self.settings = before
 
     def new_handle(
         self,
@@ -86,7 +107,7 @@ class Launcher:
         part of the key: a call site whose grid or shared memory changes gets another
         handle, never a stale launch shape.
         """
-        overlap = self.overlap_step
+        overlap = self.settings.overlap
         key = (*key, kernel, grid, block, shared_bytes, overlap, cluster)
         handle = self.handles.get(key)
         if handle is None:
@@ -125,12 +146,13 @@ class Launcher:
     def _issue(self, name: str, launch: Callable[[], None]) -> None:
         """Queue `launch` as the step's next kernel `name`: between the kernel timer's events
         in a timed step, synchronized after in per-kernel-sync mode."""
-        timer = self.timer
+        settings = self.settings
+        timer = settings.timer
         if timer is None:
             launch()
         else:
             timer.before(name)
             launch()
             timer.after()
-        if self.sync_each:
+        if settings.sync_each:
             self.stream.synchronize()

@@ -60,6 +60,9 @@ class MatmulTuning:
     # MMV warps a multiprocessor: a launch takes the first shape of its tiles that gives
     # each this many (kernel_variants.py MMV_SHAPES), else the last.
     mmv_warps_per_sm: int = 7
+    # Set: every MMV launch takes that shape of its tiles' (the last past them), whatever
+    # its warps (a test or an A/B of each declared shape).
+    mmv_shape_index: int | None = None
     # One-row GEMVs take the widest row group a warp that still gives every multiprocessor
     # this many blocks.
     gemv_min_blocks_per_sm: int = 1
@@ -320,7 +323,10 @@ def plan_gemv(shape: GemvShape, caps: DeviceCaps, tuning: MatmulTuning) -> tuple
 @functools.lru_cache(maxsize=1024)
 def mmv_shape(tiles: int, blocks: int, caps: DeviceCaps, tuning: MatmulTuning) -> MmvShape:
     """The MMV shape of a launch of `blocks` blocks of `tiles` 8-row tiles: the fewest warps
-    declared that give each multiprocessor `mmv_warps_per_sm`, else the most."""
-    target = tuning.mmv_warps_per_sm * caps.multiprocessors
+    declared that give each multiprocessor `mmv_warps_per_sm`, else the most (or the one
+    `mmv_shape_index` names)."""
     shapes = mmv_shapes(tiles)
+    if tuning.mmv_shape_index is not None:
+        return shapes[min(tuning.mmv_shape_index, len(shapes) - 1)]
+    target = tuning.mmv_warps_per_sm * caps.multiprocessors
     return next((s for s in shapes if blocks * s.warps >= target), shapes[-1])
