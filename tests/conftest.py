@@ -68,6 +68,14 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ROCFORGE_CACHE_DIR for the session's real compiles, empty at first: the kernel
+    compile tests fill its kernels/ (each source compiles once a target), and the wheel's
+    build reads its code objects from there."""
+    return tmp_path_factory.mktemp("rocforge-cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight model of the `tiny` synthetic shape (no vocabulary)."""
     from rocforge_rt.model.synthetic import write_synthetic_model

@@ -24,6 +24,7 @@ from rocforge_rt.backends.gpu.driver_types import DeviceInfo
 
 class FakeStatus(enum.IntEnum):
     OUT_OF_MEMORY = 2
+    INVALID_IMAGE = 200
     NOT_FOUND = 500
     BAD = 719
 
@@ -83,6 +84,7 @@ class FakeDriver(Driver):
         self.shared_opt_ins: list[tuple[Any, int]] = []  # _allow_dynamic_shared calls
         self.occupancy_queries: list[tuple[Any, int, int]] = []  # fakeOccupancy calls
         self.launch_status = 0  # what launches return; nonzero makes them fail
+        self.refused_code: set[bytes] = set()  # code objects module loads refuse
         self.clock_us = 0.0
         self.durations_us: dict[str, float] = {}  # device time of each kernel's launch
         super().__init__(
@@ -135,7 +137,9 @@ class FakeDriver(Driver):
     def fakeEventElapsedTime(self, start: list[float], end: list[float]) -> tuple[int, float]:
         return (0, (end[0] - start[0]) / 1e3)
 
-    def fakeModuleLoadData(self, code: bytes) -> tuple[int, bytes]:
+    def fakeModuleLoadData(self, code: bytes) -> tuple[int, bytes | None]:
+        if code in self.refused_code:
+            return (FakeStatus.INVALID_IMAGE, None)
         return (0, code)
 
     def fakeModuleGetFunction(self, module: bytes, name: bytes) -> tuple[int, str | None]:

@@ -159,7 +159,10 @@ def test_serve_and_generate_take_batch_invariance_off_by_default(tiny_model):
         assert parser.parse_args(command).batch_invariant is False
         assert parser.parse_args([*command, "--batch-invariant"]).batch_invariant is True
     engine_plan = plan(DaemonConfig(model=tiny_model, backend="cpu", batch_invariant=True))
-    assert engine_plan.build(lambda: False).backend.device_info()["batch_invariant"] is True
+    assert (
+        engine_plan.build(lambda: False, lambda *_: None).backend.device_info()["batch_invariant"]
+        is True
+    )
 
 
 def test_serve_takes_the_queue_flags_and_shows_their_defaults(capsys):
@@ -209,7 +212,9 @@ def test_threads_reach_the_cpu_backend_from_generate_serve_and_engine_load(
         assert parser.parse_args([*command, "--threads", "1"]).threads == 1
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--threads", "0"])
-    built = plan(DaemonConfig(model=tiny_model, backend="cpu", threads=1)).build(lambda: False)
+    built = plan(DaemonConfig(model=tiny_model, backend="cpu", threads=1)).build(
+        lambda: False, lambda *_: None
+    )
     assert built.backend.threads == 1 and built.backend.device_info()["threads"] == 1
     engine = Engine.load(tiny_model, backend="cpu", n_ctx=16, threads=1)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
@@ -254,7 +259,7 @@ def test_the_kv_cache_dtype_reaches_the_engine_from_generate_serve_and_demo(
 
     caplog.set_level(logging.INFO, logger="rocforge.server")
     config = DaemonConfig(model=tiny_model, backend="cpu", ctx_size=64, max_sessions=2)
-    fp8 = plan(replace(config, kv_dtype="fp8")).build(lambda: False)
+    fp8 = plan(replace(config, kv_dtype="fp8")).build(lambda: False, lambda *_: None)
     hp = fp8.hparams
     per_token = hp.n_layer * (hp.kv_dim_k + hp.kv_dim_v)  # a byte an element
     assert f"KV pool: 2 sessions x 64 tokens x {per_token} bytes (fp8)" in caplog.text

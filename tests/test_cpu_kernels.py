@@ -4,6 +4,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -109,15 +110,11 @@ print("ok")
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="compiles for an x86-64 without F16C")
-def test_without_f16c_the_kernels_convert_halves_in_integers_exactly(tmp_path):
+def test_without_f16c_the_kernels_convert_halves_in_integers_exactly(compiled_for):
     """Compiled for an x86-64 CPU without F16C (where LLVM's fpext from half would call a
     runtime function numba does not link), the fp16 conversion of the KV pool's reads and
     of the matmul's weight scales is the integer one, numpy's `astype` bit for bit."""
-    env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse2,+cx16",
-           "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", NO_F16C_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert_ok(compiled_for["no-f16c"])
 
 
 def check_matmul_is_the_reference_at_the_integer_extremes() -> None:
@@ -176,19 +173,45 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="compiles for x86-64 CPUs")
-@pytest.mark.parametrize("path", list(X86_PATHS))
-def test_each_x86_codegen_path_is_the_reference_bit_for_bit(path, tmp_path):
-    """The matmul compiled for CPUs with VNNI, AVX-512BW without it, AVX2, SSSE3 and none of
-    them (LLVM's generic vectors): the block dots' instructions differ, the bits do not."""
+@pytest.fixture(scope="module")
+def compiled_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen]]:
+    """The checks compiled for other x86-64 CPUs, each a child process of its own (numba
+    reads the CPU it compiles for once), all started at once: each compiles for a minute
+    on one core. By X86_PATHS name (those this CPU can run) and "no-f16c"."""
     from numba.core.codegen import get_host_cpu_features
 
-    cpu, features, vnni, widest = X86_PATHS[path]
-    if not set(features.split(",")) <= set(get_host_cpu_features().split(",")):
-        pytest.skip(f"this CPU lacks some of {features}")
+    host = set(get_host_cpu_features().split(","))
     paths = [os.path.dirname(__file__), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
-           "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(paths)}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", PATH_SCRIPT, str(vnni), str(widest)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    runs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, cpu: str, features: str, *args: str) -> None:
+        env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
+               "NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp(name)),
+               "PYTHONPATH": os.pathsep.join(paths)}  # fmt: skip
+        runs[name] = subprocess.Popen([sys.executable, "-c", *args], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+    if platform.machine() == "x86_64":
+        start("no-f16c", "x86-64", "+sse2,+cx16", NO_F16C_SCRIPT)
+        for name, (cpu, features, vnni, widest) in X86_PATHS.items():
+            if set(features.split(",")) <= host:
+                start(name, cpu, features, PATH_SCRIPT, str(vnni), str(widest))
+    yield runs
+    for run in runs.values():
+        run.kill()
+        run.communicate()
+
+
+def assert_ok(run: subprocess.Popen) -> None:
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0 and out.strip() == "ok", err
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="compiles for x86-64 CPUs")
+@pytest.mark.parametrize("path", list(X86_PATHS))
+def test_each_x86_codegen_path_is_the_reference_bit_for_bit(path, compiled_for):
+    """The matmul compiled for CPUs with VNNI, AVX-512BW without it, AVX2, SSSE3 and none of
+    them (LLVM's generic vectors): the block dots' instructions differ, the bits do not."""
+    if path not in compiled_for:
+        pytest.skip(f"this CPU lacks some of {X86_PATHS[path][1]}")
+    assert_ok(compiled_for[path])

@@ -152,7 +152,9 @@ def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 # --- ops ----------------------------------------------------------------------------------------
-def test_health_is_live_but_not_ready_until_the_warm_up_is_done(tiny_model: Path) -> None:
+def test_health_is_live_but_not_ready_until_the_warm_up_is_done_and_tells_the_load_stage(
+    tiny_model: Path,
+) -> None:
     loading = threading.Event()
     release = threading.Event()
 
@@ -167,10 +169,17 @@ def test_health_is_live_but_not_ready_until_the_warm_up_is_done(tiny_model: Path
             assert loading.wait(5)
             health = client.health()
             assert health["live"] and not health["ready"] and health["state"] == "loading"
+            layers_and_head = load_model_file(tiny_model).hparams.n_layer + 1  # all uploaded
+            assert health["loading"] == {
+                "stage": "uploading weights",
+                "done": layers_and_head,
+                "total": layers_and_head,
+            }
             with pytest.raises(Exception, match="not_ready"):
                 client.open(tokens=PROMPT)
             release.set()
-            assert client.wait_ready(5)["state"] == "ready"
+            ready = client.wait_ready(5)
+            assert ready["state"] == "ready" and "loading" not in ready
             assert client.stats()["latency"]["requests"] == 0  # the warm-up is not a request
     finally:
         release.set()

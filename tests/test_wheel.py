@@ -1,11 +1,12 @@
 """The wheel, installed as a user would: built from the sources, installed with its
 dependencies into a fresh virtual environment, run from a folder outside the checkout.
 
-`rocforge --version`, `rocforge generate` on the default model (the checkout's, linked
-into the environment's models folder: no second download), `import rocforge_client` and
-the kernel compile check (`rocforge kernels check`, for the compiler this environment has)
-succeed there, and write nothing into site-packages: numba's cache and the compiled
-kernels go to the user cache folder.
+The wheel holds the code objects of the target whose compiler is here (setup.py,
+ROCFORGE_PREBUILT_TARGETS). `rocforge --version`, `rocforge generate` on the default model
+(the checkout's, linked into the environment's models folder: no second download),
+`import rocforge_client` and the kernel compile check (`rocforge kernels check`, which
+finds every object in the wheel) succeed there, and write nothing into site-packages:
+numba's cache goes to the user cache folder.
 
 Slow: a build and an install from the package index (~1-3 minutes). Without a network or
 a `venv` module these tests skip with the reason, except under CI (CI=true), where they fail.
@@ -32,7 +33,7 @@ from rocforge_rt.model.default_model import DEFAULT_MODEL_NAME
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "rocforge_rt", "kernels", "clients")
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "rocforge_rt", "kernels", "clients")
 KERNEL_FILES = sorted(p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".hip", ".h"))
 # A kernel compiler's packages, installed into the environment at the versions found here.
 COMPILERS = {"sm_90": ("cuda-bindings", "nvidia-cuda-nvrtc"), "gfx90a": ("hip-python",)}
@@ -53,16 +54,26 @@ def _index_reachable() -> bool:
     return True
 
 
-def _pip(*args: str, timeout: float = 600) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout
-    )
+def _pip(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
     assert done.returncode == 0, f"pip {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel, built from a copy of the sources (a build in the checkout leaves build/)."""
+def compiler() -> tuple[str, list[str]] | None:
+    return _compiler()
+
+
+@pytest.fixture(scope="module")
+def wheel(
+    tmp_path_factory: pytest.TempPathFactory,
+    cache_folder: Path,
+    compiler: tuple[str, list[str]] | None,
+) -> Path:
+    """The wheel, built from a copy of the sources (a build in the checkout leaves build/)
+    with the code objects of the target whose compiler works here (`make wheel` names more),
+    from the session's kernel cache where the compile tests have filled it."""
     if not _index_reachable():
         _unavailable("no network: the build and the install need the package index")
     src = tmp_path_factory.mktemp("src")
@@ -72,7 +83,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             shutil.copy(ROOT / name, src / name)
     dist = tmp_path_factory.mktemp("dist")
-    _pip("wheel", "--no-deps", "-q", "-w", str(dist), str(src))
+    env = {**os.environ, "ROCFORGE_CACHE_DIR": str(cache_folder),
+           "ROCFORGE_PREBUILT_TARGETS": compiler[0] if compiler else ""}  # fmt: skip
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src), env=env)
     (built,) = dist.glob("rocforge_rt-*.whl")
     return built
 
@@ -142,15 +155,20 @@ class Environment:
 
 @pytest.fixture(scope="module")
 def installed(
-    wheel: Path, default_model: Path, tmp_path_factory: pytest.TempPathFactory
+    wheel: Path,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    compiler: tuple[str, list[str]] | None,
 ) -> Environment:
     """The environment, with the checkout's default model in its models folder."""
-    env = Environment(tmp_path_factory.mktemp("user"), wheel, _compiler())
+    env = Environment(tmp_path_factory.mktemp("user"), wheel, compiler)
     (env.models / DEFAULT_MODEL_NAME).symlink_to(default_model)
     return env
 
 
-def test_the_wheel_holds_the_two_packages_and_every_kernel_source(wheel: Path) -> None:
+def test_the_wheel_holds_the_two_packages_every_kernel_source_and_code_objects(
+    wheel: Path, compiler: tuple[str, list[str]] | None
+) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {
         "rocforge_rt",
@@ -163,6 +181,15 @@ def test_the_wheel_holds_the_two_packages_and_every_kernel_source(wheel: Path) -
     assert modules <= set(names), f"left out: {sorted(modules - set(names))}"
     clients = {f"rocforge_client/{p.name}" for p in (ROOT / "clients").glob("*.py")}
     assert clients <= set(names), f"left out: {sorted(clients - set(names))}"
+    objects = sorted(n.removeprefix("rocforge_rt/_prebuilt/") for n in names if "/_prebuilt/" in n)
+    if compiler is None:
+        assert objects == []
+    else:  # one a source: gemv.cuda-sm_90.<sha256 of the source, its headers and defines>
+        stems = [n.removesuffix(".hip") for n in KERNEL_FILES if n.endswith(".hip")]
+        vendor = "cuda" if compiler[0].startswith("sm_") else "hip"
+        assert [n.rsplit(".", 1)[0] for n in objects] == [
+            f"{s}.{vendor}-{compiler[0]}" for s in stems
+        ]
 
 
 def test_installed_it_runs_outside_the_checkout_and_writes_nothing_beside_itself(
@@ -187,11 +214,11 @@ def test_installed_it_runs_outside_the_checkout_and_writes_nothing_beside_itself
     target = ["--target", env.target] if env.target else []
     check = env.run("rocforge", "kernels", "check", *target)
     assert f"kernel sources: {env.site_packages / 'rocforge_rt' / '_kernels'}" in check.stdout
-    if env.target:
+    if env.target:  # the wheel's code objects: nothing to compile
         assert check.returncode == 0, check.stderr
         sources = sum(name.endswith(".hip") for name in KERNEL_FILES)
         assert f"{env.target}: {sources} sources" in check.stdout
-        assert list((env.cache / "rocforge-rt" / "kernels").iterdir())
+        assert f"(0 compiled, 0 cached, {sources} from the wheel)" in check.stdout
     else:
         assert check.returncode == 1 and "no kernel compiler found" in check.stderr
 

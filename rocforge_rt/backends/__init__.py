@@ -6,6 +6,7 @@ from rocforge_rt.backends.contract import Backend, BackendCaps, BackendOptions
 from rocforge_rt.dirs import point_numba_cache
 from rocforge_rt.errors import BackendError
 from rocforge_rt.model.hparams import HParams
+from rocforge_rt.profiling.load_progress import LoadProgress
 
 if TYPE_CHECKING:
     from rocforge_rt.backends.gpu.driver import Driver
@@ -20,6 +21,10 @@ point_numba_cache()
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "hip")
 KERNEL_TARGETS = ("sm_90", "gfx90a", "gfx1030")  # what `rocforge kernels check` builds for
+# What a wheel's code objects are built for (`make wheel`): the NVIDIA GPUs people run
+# (A100, RTX 30xx, RTX 40xx / L4 / L40, H100 / H200) and the AMD targets the packaged hiprtc
+# builds (MI200 / MI250, RX 6000).
+WHEEL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "gfx90a", "gfx1030")
 
 
 def resolve_backend_name(name: str) -> str:
@@ -66,9 +71,11 @@ def create_backend(
     n_slots: int,
     n_ctx: int,
     options: BackendOptions | None = None,
+    progress: LoadProgress | None = None,
 ) -> Backend:
     """A backend ready for a model of these hyper-parameters with an n_slots x n_ctx KV pool,
-    built with `options` (each field says which backends honour it; None: the defaults)."""
+    built with `options` (each field says which backends honour it; None: the defaults);
+    `progress` hears of the kernels a GPU backend compiles."""
     options = options or BackendOptions()
     resolved = resolve_backend_name(name)
     if resolved == "cpu":
@@ -110,6 +117,7 @@ def create_backend(
         kv_dtype=options.kv_dtype,
         matmul_tuning=options.matmul_tuning,
         attention_tuning=options.attention_tuning,
+        progress=progress,
     )
 
 

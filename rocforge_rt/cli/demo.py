@@ -16,6 +16,7 @@ from rocforge_rt.cli.options import (
     default_model,
     prompt_argument,
 )
+from rocforge_rt.cli.progress import TerminalProgress
 from rocforge_rt.cli.stats_report import format_stats
 from rocforge_rt.server.config import ServerError
 
@@ -39,7 +40,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "warning",
     ]
     print(f"starting the daemon on {model.name} ...", file=sys.stderr)
-    with LocalDaemon(model, serve_args) as daemon:
+    with LocalDaemon(model, serve_args, progress=TerminalProgress()) as daemon:
         with connect(daemon.addr) as client:
             turn = {
                 "messages": [{"role": "user", "content": args.prompt}],

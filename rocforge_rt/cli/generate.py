@@ -35,6 +35,7 @@ def _ctx_size(text: str) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from rocforge_rt.cli.progress import TerminalProgress
     from rocforge_rt.engine.engine import Engine
     from rocforge_rt.engine.generate import Generation
     from rocforge_rt.model.default_model import ensure_default_model
@@ -58,14 +59,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"{model_path} has no chat template (tokenizer.chat_template) to render --chat"
             " with; leave --chat out for a plain prompt, or use a model that has one"
         )
-    engine = Engine.load(
-        model,
-        backend=args.backend,
-        n_ctx=args.ctx_size,
-        batch_invariant=args.batch_invariant,
-        threads=args.threads,
-        kv_dtype=args.kv_cache_dtype,
-    )
+    with TerminalProgress() as progress:
+        engine = Engine.load(
+            model,
+            backend=args.backend,
+            n_ctx=args.ctx_size,
+            batch_invariant=args.batch_invariant,
+            threads=args.threads,
+            kv_dtype=args.kv_cache_dtype,
+            progress=progress,
+        )
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = engine.tokenizer.encode_chat([*messages, {"role": "user", "content": args.prompt}])

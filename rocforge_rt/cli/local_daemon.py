@@ -1,6 +1,7 @@
 """`rocforge serve` in a subprocess on a free loopback port (`LocalDaemon`), ready once it
 answers health: for `rocforge demo`, scripts/bench_ttft.py and the tests."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rocforge_rt.cli.progress import TerminalProgress
+from rocforge_rt.profiling.load_progress import LoadProgress
 from rocforge_rt.server.config import ServerError
 
 
@@ -19,9 +22,12 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_ready(addr: str, process: subprocess.Popen, timeout: float) -> None:
-    """Ask the daemon `process` serves at `addr` for `health` until it is ready; ServerError
-    when the process exits first or `timeout` passes."""
+def wait_until_ready(
+    addr: str, process: subprocess.Popen, timeout: float, progress: LoadProgress | None = None
+) -> None:
+    """Ask the daemon `process` serves at `addr` for `health` until it is ready, telling
+    `progress` of the load's stages as health does; ServerError when the process exits first
+    or `timeout` passes."""
     from rocforge_client import Timeout, connect
 
     limit = time.monotonic() + timeout
@@ -30,10 +36,14 @@ def wait_until_ready(addr: str, process: subprocess.Popen, timeout: float) -> No
             if process.poll() is not None:
                 raise ServerError(f"the daemon exited with code {process.returncode}")
             try:
-                if client.health(timeout=0.5)["ready"]:
-                    return
+                health = client.health(timeout=0.5)
             except Timeout:
                 continue
+            if health["ready"]:
+                return
+            loading = health.get("loading")
+            if progress is not None and loading is not None:
+                progress(loading["stage"], loading["done"], loading["total"])
             time.sleep(0.1)
     raise ServerError(f"the daemon was not ready within {timeout:.0f} s")
 
@@ -42,8 +52,14 @@ class LocalDaemon:
     """`rocforge serve` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
     def __init__(
-        self, model: Path, serve_args: Sequence[str] = (), *, ready_timeout: float = 300.0
+        self,
+        model: Path,
+        serve_args: Sequence[str] = (),
+        *,
+        ready_timeout: float = 300.0,
+        progress: TerminalProgress | None = None,
     ):
+        """`progress` draws the daemon's load as its `health` tells it, until it is ready."""
         self.addr = f"tcp://127.0.0.1:{free_loopback_port()}"
         self.command = [
             sys.executable,
@@ -57,6 +73,7 @@ class LocalDaemon:
             *serve_args,
         ]
         self.ready_timeout = ready_timeout
+        self.progress = progress
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "LocalDaemon":
@@ -72,7 +89,8 @@ class LocalDaemon:
         path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
         self.process = subprocess.Popen(self.command, env={**os.environ, "PYTHONPATH": path})
         try:
-            wait_until_ready(self.addr, self.process, self.ready_timeout)
+            with self.progress if self.progress is not None else contextlib.nullcontext():
+                wait_until_ready(self.addr, self.process, self.ready_timeout, self.progress)
         except ServerError:
             self.stop()
             raise

@@ -25,6 +25,7 @@ from rocforge_rt.engine.session import Session, TokenEvent, check_turn
 from rocforge_rt.errors import EngineError, EngineErrorCode, LoadCancelled
 from rocforge_rt.model.gguf_file import ModelFile, load_model_file
 from rocforge_rt.model.tokenizer import Tokenizer
+from rocforge_rt.profiling.load_progress import UPLOADING_WEIGHTS, LoadProgress
 from rocforge_rt.step.batch import SequencePart, StepBatch
 from rocforge_rt.step.forward import ForwardOps, StepOutput, forward, upload_weights
 from rocforge_rt.step.sampling import (
@@ -65,10 +66,11 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         slots: SlotAllocator | None = None,
         should_stop: Callable[[], bool] | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
         """`slots`: the allocator to use (the daemon's, shared with its socket thread), else a
         new one. `should_stop` is asked between layers of the weights' upload: when it says
-        yes, LoadCancelled is raised."""
+        yes, LoadCancelled is raised. `progress` hears of the layers uploaded."""
         if n_ctx > model.hparams.n_ctx_train:
             raise EngineError(
                 EngineErrorCode.BAD_CONFIG,
@@ -89,7 +91,17 @@ class Engine:
                 EngineErrorCode.BAD_CONFIG,
                 f"a slot allocator of {slots.n_slots} slots for an engine of {n_slots}",
             )
-        self.weights = upload_weights(model, backend, lambda: _stop_point(should_stop))
+        parts = self.hparams.n_layer + 1  # the layers, then the embeddings and the head
+        uploaded = itertools.count()
+
+        def checkpoint() -> None:  # before each part
+            _stop_point(should_stop)
+            if progress is not None:
+                progress(UPLOADING_WEIGHTS, next(uploaded), parts)
+
+        self.weights = upload_weights(model, backend, checkpoint)
+        if progress is not None:
+            progress(UPLOADING_WEIGHTS, parts, parts)
         backend.weights_uploaded(model.tensors.values())
         self.slots = slots if slots is not None else SlotAllocator(n_slots)
         self.n_ctx = n_ctx
@@ -108,21 +120,24 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         slots: SlotAllocator | None = None,
         should_stop: Callable[[], bool] | None = None,
+        progress: LoadProgress | None = None,
         **backend_options: Any,
     ) -> "Engine":
         """Load a GGUF (or a model file already read) onto a backend; `backend_options` are
         BackendOptions' fields (`kv_dtype="fp8"`: an fp8 KV pool; `threads`: the CPU's
         threads), ValueError naming one that is not; `max_tokens` is the step budget unless
         given. `should_stop` is asked before each stage and between layers of the upload:
-        when it says yes, LoadCancelled is raised."""
+        when it says yes, LoadCancelled is raised. `progress` hears of the long stages (the
+        kernels compiled, the layers uploaded)."""
         model = path if isinstance(path, ModelFile) else load_model_file(path)
         n_ctx = min(n_ctx, model.hparams.n_ctx_train)
         _stop_point(should_stop)
         backend_options.setdefault("max_tokens", step_token_budget(prefill_chunk, n_slots))
         options = BackendOptions.of(**backend_options)
         device = create_backend(
-            backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, options=options
-        )
+            backend, model.hparams, n_slots=n_slots, n_ctx=n_ctx, options=options,
+            progress=progress,
+        )  # fmt: skip
         prefill_chunk = min(prefill_chunk, device.caps.max_tokens or prefill_chunk)
         return cls(
             model,
@@ -132,6 +147,7 @@ class Engine:
             prefill_chunk=prefill_chunk,
             slots=slots,
             should_stop=should_stop,
+            progress=progress,
         )
 
     @property

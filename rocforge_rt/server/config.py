@@ -24,6 +24,7 @@ from rocforge_rt.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from rocforge_rt.engine.kv_cache import SlotAllocator, kv_bytes_per_token, kv_pool_bytes
 from rocforge_rt.errors import RocforgeError, UsageError
 from rocforge_rt.model.gguf_file import load_model_file
+from rocforge_rt.profiling.load_progress import LoadProgress
 from rocforge_rt.server.jobs import Limits
 from rocforge_rt.step.forward import held_together
 from rocforge_rt.step.kv_format import KV_DTYPES
@@ -102,7 +103,8 @@ def check_memory(
 class Plan:
     """What `plan` found: how to build the engine, and the limits."""
 
-    build: Callable[[Callable[[], bool]], Engine]  # should_stop -> the engine (LoadCancelled)
+    # (should_stop, progress) -> the engine (LoadCancelled when should_stop says so)
+    build: Callable[[Callable[[], bool], LoadProgress], Engine]
     limits: Limits
 
 
@@ -196,7 +198,7 @@ def plan(
     )
     shared_slots = slots if slots is not None else SlotAllocator(config.max_sessions)
 
-    def build(should_stop: Callable[[], bool]) -> Engine:
+    def build(should_stop: Callable[[], bool], progress: LoadProgress) -> Engine:
         engine = Engine.load(
             model,  # read once, here
             backend=config.backend,
@@ -209,6 +211,7 @@ def plan(
             kv_dtype=config.kv_dtype,
             slots=shared_slots,
             should_stop=should_stop,
+            progress=progress,
         )
         if engine_hook is not None:
             engine_hook(engine)

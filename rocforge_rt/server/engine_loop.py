@@ -106,6 +106,7 @@ class EngineLoop:
         self.op_timer: OpTimer | None = None
         # published for the I/O thread (each replaced whole, never mutated)
         self.ready = threading.Event()
+        self.loading: dict[str, Any] | None = None  # the load's stage, done, total (`health`)
         self.failure: str | None = None
         self.limits: Limits | None = None  # once the plan is made
         self.info: dict[str, Any] = {}
@@ -169,10 +170,15 @@ class EngineLoop:
             self._out.send(END_OF_REPLIES)
             self._out.close(linger=1000)
 
+    def _loading(self, stage: str, done: int, total: int) -> None:
+        """A load's progress (`LoadProgress`): logged, and published for `health`."""
+        self.loading = {"stage": stage, "done": done, "total": total}
+        log.info("loading: %s %d/%d", stage, done, total)
+
     def _start_engine(self) -> None:
         plan = self._planner(self._stop_requested.is_set)
         self.limits = plan.limits
-        engine = plan.build(self._stop_requested.is_set)
+        engine = plan.build(self._stop_requested.is_set, self._loading)
         self.op_timer = OpTimer()
         engine.ops = BracketedOps(engine.ops, self.op_timer.bracket)
         self.engine = engine

@@ -89,10 +89,12 @@ class IoOps:
         return None if handler is None else handler(job.request)
 
     def health(self, state: State) -> dict[str, Any]:
+        loading = self._engine_loop.loading if state is State.LOADING else None
         return {
             "live": True,
             "ready": state is State.READY,
             "state": str(state),
+            **({"loading": loading} if loading is not None else {}),
             "uptime_s": self.uptime(),
             **self._board.counts(),
             "max_queue": self._config.max_queue,

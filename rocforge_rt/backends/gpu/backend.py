@@ -8,6 +8,7 @@ executor.py (step state, step modes, graphs, readback, runtime statistics).
 """
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from rocforge_rt.model.gguf_file import WeightTensor
 from rocforge_rt.model.hparams import HParams
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
+from rocforge_rt.profiling.load_progress import COMPILING_KERNELS, LoadProgress
 from rocforge_rt.step.batch import StepBatch
 from rocforge_rt.step.caps import BackendCaps
 from rocforge_rt.step.forward import StepOutput
@@ -69,7 +71,10 @@ class GpuBackend:
         kv_dtype: str = "f16",
         matmul_tuning: MatmulTuning = DEFAULT_MATMUL_TUNING,
         attention_tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING,
+        progress: LoadProgress | None = None,
     ) -> None:
+        """`progress` hears of the kernel sources compiled (those in neither the kernel cache
+        nor the wheel, compiled in parallel first)."""
         check_mode(mode)
         check_attention_shapes(hparams)
         self.kv_dtype = check_kv_dtype(kv_dtype)
@@ -80,7 +85,9 @@ class GpuBackend:
         self.stream = driver.create_stream()
         # Profiling, both off until enabled: host launch times, and GPU times of sampled steps.
         self.launch_tracker = LaunchOverheadTracker()
-        self.launcher = Launcher(driver, self.stream, KernelLibrary(compiler), self.launch_tracker)
+        library = KernelLibrary(compiler)
+        library.build(progress=None if progress is None else partial(progress, COMPILING_KERNELS))
+        self.launcher = Launcher(driver, self.stream, library, self.launch_tracker)
         self.kernel_timer = KernelTimer(driver, self.stream)
         # A step may mix sequences' decode rows and prompt chunks (Engine.step): every op but
         # attention is row by row, and attention splits the step into launches by run of one

@@ -7,9 +7,12 @@ One source tree builds for every vendor: a `Compiler` (NVRTC or hiprtc, from the
 backends) turns a source into a code object (an ELF: CUBIN or AMD HSACO). Code
 objects are cached on disk (``kernels/`` in the cache folder of rocforge_rt/dirs.py)
 under a sha256 of everything that shapes them (source, header contents, vendor, arch,
-defines, compiler version), so a warm start compiles nothing. Every compile gets the
-shared constants of kernel_constants.py (`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the
-compiler's target as -D defines.
+defines, compiler version), so a warm start compiles nothing. A wheel built with
+ROCFORGE_PREBUILT_TARGETS set (setup.py) also holds code objects of those targets
+(``rocforge_rt/_prebuilt``), keyed the same but for the compiler's version: a source
+found neither in the cache nor there is compiled, the missing ones in parallel
+(`KernelLibrary.build`). Every compile gets the shared constants of kernel_constants.py
+(`KERNEL_DEFINES`) and ``RF_WARP_SIZE`` from the compiler's target as -D defines.
 
 A source's variant kernels are generated from the tables of kernel_variants.py and
 appended to it (`kernel_source`) before it is compiled, hashed or read. Each kernel's
@@ -27,7 +30,9 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +67,7 @@ C_ARG_TYPES = {
     "long long int": "i64",
 }
 KERNELS_ENV = "ROCFORGE_KERNELS_DIR"
+PREBUILT_PACKAGE_DIR = "_prebuilt"  # the wheel's code objects, under rocforge_rt/
 _CACHE_FORMAT = 1  # bump when the key derivation or the file layout changes
 _ELF_MAGIC = b"\x7fELF"
 
@@ -92,6 +98,7 @@ class CodeObject:
     arch: str
     key: str  # sha256 cache key (hex)
     code: bytes  # ELF: CUBIN (cuda) or code object (hip)
+    origin: str  # "compiled", "cache" or "prebuilt" (the wheel's)
     kernels: tuple[str, ...]  # kernel names the source declares, in source order
     signatures: dict[str, tuple[str, ...]]  # each kernel's launch argument types
 
@@ -106,6 +113,12 @@ def kernels_dir() -> Path:
     if root is not None:
         return root / "kernels"
     return Path(str(importlib.resources.files("rocforge_rt") / "_kernels"))
+
+
+def prebuilt_dir() -> Path:
+    """The installed package's code objects (``rocforge_rt/_prebuilt``; absent in a
+    checkout and in a wheel built without ROCFORGE_PREBUILT_TARGETS)."""
+    return Path(str(importlib.resources.files("rocforge_rt") / PREBUILT_PACKAGE_DIR))
 
 
 def kernel_source(source_dir: Path, source_name: str) -> str:
@@ -266,11 +279,44 @@ def _normalize_defines(defines: Mapping[str, str | int]) -> dict[str, str]:
     return normalized
 
 
+def _sha256(material: Mapping[str, object]) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One source as it compiles for one target: its text, headers, defines, and where its
+    code object is cached (`key`: with the compiler's version) or prebuilt (without)."""
+
+    source_name: str
+    source: str
+    headers: dict[str, str]
+    defines: dict[str, str]
+    vendor: str
+    arch: str
+    key: str
+    cache_path: Path
+    object_name: str
+
+    def code_object(self, code: bytes, origin: str) -> CodeObject:
+        signatures = kernel_signatures(self.source, self.headers)
+        return CodeObject(
+            source=self.source_name,
+            vendor=self.vendor,
+            arch=self.arch,
+            key=self.key,
+            code=code,
+            origin=origin,
+            kernels=tuple(signatures),
+            signatures=signatures,
+        )
+
+
 class KernelLibrary:
     """Compiles kernel sources for one compiler's target, through an on-disk cache.
 
-    `compiles` and `cache_hits` count what `load` did, so a test can prove that
-    a warm start compiles nothing.
+    `compiles`, `cache_hits` and `prebuilt_hits` count what `load` and `build` did, so a
+    test can prove that a warm start compiles nothing.
     """
 
     def __init__(
@@ -278,16 +324,22 @@ class KernelLibrary:
         compiler: Compiler,
         source_dir: Path | None = None,
         cache_dir: Path | None = None,
+        prebuilt: Path | None = None,
     ) -> None:
+        """`prebuilt`: a folder of code objects `export_prebuilt` wrote (default: the
+        installed package's, `prebuilt_dir`)."""
         self.compiler = compiler
         self.source_dir = source_dir if source_dir is not None else kernels_dir()
         self.cache_dir = cache_dir if cache_dir is not None else dirs.kernel_cache_dir()
+        self.prebuilt = prebuilt if prebuilt is not None else prebuilt_dir()
         if not self.source_dir.is_dir():
             raise FileNotFoundError(
                 f"kernel sources not found at {self.source_dir}; set {KERNELS_ENV}"
             )
         self.compiles = 0
         self.cache_hits = 0
+        self.prebuilt_hits = 0
+        self._count = threading.Lock()  # `build` compiles on several threads
 
     def sources(self) -> list[str]:
         """File names of the kernel sources (``*.hip``), sorted."""
@@ -298,35 +350,80 @@ class KernelLibrary:
         return {p.name: p.read_text() for p in sorted(self.source_dir.glob("*.h"))}
 
     def load(self, source_name: str, defines: Mapping[str, str | int] | None = None) -> CodeObject:
-        """The code object of one source (e.g. 'embedding.hip'), compiled or from the cache.
+        """The code object of one source (e.g. 'embedding.hip'): from the cache, else the
+        wheel's, else compiled (and cached).
 
         `defines` are extra -D macros; the shared constants (`KERNEL_DEFINES`) and
         RF_WARP_SIZE (from the compiler) are always defined and cannot be changed here.
         Raises `KernelCompileError` when the source does not compile.
         """
-        source = kernel_source(self.source_dir, source_name)
-        headers = self.headers()
-        all_defines = self.defines(defines)
-        key = self._key(source_name, source, headers, all_defines)
-        compiler = self.compiler
-        path = self.cache_dir / f"{Path(source_name).stem}.{compiler.vendor}-{compiler.arch}.{key}"
-        code = self._read_cached(path)
+        unit = self._unit(source_name, defines)
+        code, origin = self._read_cached(unit.cache_path), "cache"
         if code is None:
-            code = compiler.compile(source, source_name, headers, all_defines)
-            self.compiles += 1
-            self._write_cached(path, code)
-        else:
+            code, origin = self._read_cached(self.prebuilt / unit.object_name), "prebuilt"
+        if code is None:
+            return self.compile(source_name, defines)
+        if origin == "cache":
             self.cache_hits += 1
-        signatures = kernel_signatures(source, headers)
-        return CodeObject(
-            source=source_name,
-            vendor=compiler.vendor,
-            arch=compiler.arch,
-            key=key,
-            code=code,
-            kernels=tuple(signatures),
-            signatures=signatures,
-        )
+        else:
+            self.prebuilt_hits += 1
+        return unit.code_object(code, origin)
+
+    def compile(
+        self, source_name: str, defines: Mapping[str, str | int] | None = None
+    ) -> CodeObject:
+        """Compile one source, whatever is cached (a prebuilt object the driver refused),
+        and cache the result."""
+        unit = self._unit(source_name, defines)
+        code = self.compiler.compile(unit.source, source_name, unit.headers, unit.defines)
+        with self._count:
+            self.compiles += 1
+        self._write_cached(unit.cache_path, code)
+        return unit.code_object(code, "compiled")
+
+    def missing(self, defines: Mapping[str, str | int] | None = None) -> list[str]:
+        """The sources with no code object yet, in the cache or the wheel."""
+        missing = []
+        for name in self.sources():
+            unit = self._unit(name, defines)
+            if not unit.cache_path.is_file() and not (self.prebuilt / unit.object_name).is_file():
+                missing.append(name)
+        return missing
+
+    def build(
+        self,
+        defines: Mapping[str, str | int] | None = None,
+        *,
+        jobs: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Compile every source `missing` lists, `jobs` at once (default: one a CPU), telling
+        `progress(done, total)` after each; returns how many. NVRTC releases the GIL while it
+        compiles and hiprtc compiles in a child process, so threads run them in parallel."""
+        names = self.missing(defines)
+        if not names:
+            return 0
+        workers = max(1, min(len(names), jobs or os.cpu_count() or 1))
+        if progress is not None:
+            progress(0, len(names))
+        with ThreadPoolExecutor(workers, thread_name_prefix="kernel-compile") as pool:
+            futures = [pool.submit(self.compile, name, defines) for name in names]
+            for done, future in enumerate(as_completed(futures), 1):
+                future.result()  # KernelCompileError: the compiler's log
+                if progress is not None:
+                    progress(done, len(names))
+        return len(names)
+
+    def export_prebuilt(self, into: Path, defines: Mapping[str, str | int] | None = None) -> int:
+        """Write every source's code object (cached or compiled now) into `into`, named as
+        `load` looks them up in a wheel; returns the bytes written."""
+        into.mkdir(parents=True, exist_ok=True)
+        written = 0
+        for name in self.sources():
+            code = self.load(name, defines).code
+            (into / self._unit(name, defines).object_name).write_bytes(code)
+            written += len(code)
+        return written
 
     def load_all(self, defines: Mapping[str, str | int] | None = None) -> dict[str, CodeObject]:
         """Every source's code object, by file name."""
@@ -350,20 +447,34 @@ class KernelLibrary:
             )
         return normalized
 
-    def _key(
-        self, source_name: str, source: str, headers: Mapping[str, str], defines: Mapping[str, str]
-    ) -> str:
+    def _unit(self, source_name: str, defines: Mapping[str, str | int] | None) -> _Unit:
+        """One source as it compiles for this target, with where its code object lies."""
+        source = kernel_source(self.source_dir, source_name)
+        headers = self.headers()
+        all_defines = self.defines(defines)
+        compiler = self.compiler
         material = {
             "format": _CACHE_FORMAT,
-            "vendor": self.compiler.vendor,
-            "arch": self.compiler.arch,
-            "compiler": self.compiler.version,
+            "vendor": compiler.vendor,
+            "arch": compiler.arch,
             "filename": source_name,
             "source": source,
-            "headers": dict(headers),
-            "defines": dict(defines),
+            "headers": headers,
+            "defines": all_defines,
         }
-        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+        key = _sha256({**material, "compiler": compiler.version})
+        stem = f"{Path(source_name).stem}.{compiler.vendor}-{compiler.arch}"
+        return _Unit(
+            source_name=source_name,
+            source=source,
+            headers=headers,
+            defines=all_defines,
+            vendor=compiler.vendor,
+            arch=compiler.arch,
+            key=key,
+            cache_path=self.cache_dir / f"{stem}.{key}",
+            object_name=f"{stem}.{_sha256(material)}",
+        )
 
     @staticmethod
     def _read_cached(path: Path) -> bytes | None:

@@ -18,6 +18,7 @@ from typing import Any
 from rocforge_rt.backends.gpu.driver import Driver
 from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 from rocforge_rt.backends.gpu.launch import ArgCacheStats, LaunchHandle
+from rocforge_rt.errors import BackendError
 from rocforge_rt.profiling.kernel_timer import KernelTimer
 from rocforge_rt.profiling.launch_tracker import LaunchOverheadTracker
 
@@ -47,7 +48,15 @@ class Launcher:
         self.signatures: dict[str, tuple[str, ...]] = {}
         for source in library.sources():
             code = library.load(source)
-            module = driver.load_module(code.code)
+            try:
+                module = driver.load_module(code.code)
+            except BackendError:
+                if code.origin != "prebuilt":
+                    raise
+                # The wheel's object for this arch, refused by this driver (built by a newer
+                # toolkit than it takes): compile it here.
+                code = library.compile(source)
+                module = driver.load_module(code.code)
             for name in code.kernels:
                 self.functions[name] = module.function(name)
             self.signatures.update(code.signatures)

@@ -262,6 +262,8 @@ class Front:
             return JSONResponse({"status": "unavailable", "message": str(exc)}, status_code=503)
         counts = ("in_flight", "sessions", "slots_free", "uptime_s")
         body = {"status": health["state"], "daemon": {k: health.get(k) for k in counts}}
+        if "loading" in health:
+            body["loading"] = health["loading"]  # {"stage": "compiling kernels", "done": 3, ...}
         return JSONResponse(body, status_code=200 if health["ready"] else 503)
 
     # --- metrics ------------------------------------------------------------------------------
