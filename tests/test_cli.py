@@ -535,3 +535,38 @@ def test_kernels_check_compiles_every_source_for_each_target(
     sources = len(list(kernels_dir().glob("*.hip")))
     assert f"sm_90: {sources} sources" in capsys.readouterr().out
     assert len(list((tmp_path / "kernels").iterdir())) == sources
+
+
+def test_kernels_build_fills_the_cache_and_writes_a_wheels_objects_with_out(
+    tmp_path, monkeypatch, capsys, exports_undone
+):
+    from test_kernel_abi import FakeCompiler
+
+    import rocforge_rt.backends
+    from rocforge_rt.backends.gpu.kernel_library import KernelLibrary, kernels_dir
+    from rocforge_rt.cli import main
+
+    monkeypatch.setattr(rocforge_rt.backends, "kernel_compiler", lambda target: FakeCompiler())
+    out, cache = tmp_path / "prebuilt", tmp_path / "cache"
+    args = ["kernels", "build", "--target", "sm_90", "--cache-dir", str(cache), "--out", str(out)]
+    assert main(args) == 0
+    sources = len(list(kernels_dir().glob("*.hip")))
+    printed = capsys.readouterr().out
+    assert f"sm_90: {sources} sources" in printed and f"({sources} compiled, 0 cached" in printed
+    assert len(list((cache / "kernels").iterdir())) == len(list(out.iterdir())) == sources
+    wheel = KernelLibrary(FakeCompiler(), cache_dir=tmp_path / "empty", prebuilt=out)
+    assert wheel.missing() == []
+
+    assert main(args) == 0  # again: all cached
+    assert f"(0 compiled, {sources} cached, 0 from the wheel)" in capsys.readouterr().out
+
+
+def test_kernels_build_without_a_target_or_a_gpu_says_to_name_one(monkeypatch, capsys):
+    import rocforge_rt.backends
+    from rocforge_rt.cli import main
+
+    monkeypatch.setattr(rocforge_rt.backends, "resolve_backend_name", lambda name: "cpu")
+    assert main(["kernels", "build"]) == 2  # a usage error
+    assert "no GPU found to build for: name the targets, e.g. --target sm_90" in (
+        capsys.readouterr().err
+    )

@@ -188,7 +188,7 @@ def drop_mapped_pages(tensors: Iterable[WeightTensor], whole_files: bool = False
         return
     dropped = set()  # the mappings dropped whole
     for tensor in tensors:
-        mapping = getattr(tensor.data, "_mmap", None)
+        mapping = tensor.mapping
         if mapping is None or id(mapping) in dropped:
             continue
         with contextlib.suppress(OSError, ValueError):  # closed, or not supported

@@ -4,7 +4,7 @@ targets (no GPU needed), in parallel, into the kernel cache or a wheel's folder.
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rocforge_rt.backends import KERNEL_TARGETS, WHEEL_TARGETS
 from rocforge_rt.cli.options import CommandError, add_location_options
@@ -12,8 +12,11 @@ from rocforge_rt.cli.progress import TerminalProgress
 from rocforge_rt.errors import BackendError
 from rocforge_rt.profiling.load_progress import COMPILING_KERNELS
 
+if TYPE_CHECKING:
+    from rocforge_rt.backends.gpu.kernel_library import KernelLibrary
 
-def _library(target: str, named: bool) -> Any:
+
+def _library(target: str, named: bool) -> "KernelLibrary | None":
     """The kernel library of `target`; None (said) where its compiler is missing and the
     target was not named."""
     from rocforge_rt.backends import kernel_compiler
@@ -30,7 +33,7 @@ def _library(target: str, named: bool) -> Any:
         return None
 
 
-def _build(target: str, library: Any, jobs: int | None) -> str:
+def _build(target: str, library: "KernelLibrary", jobs: int | None) -> str:
     """Compile what `library` lacks, with a progress bar; the line that says what it did."""
     started = time.perf_counter()
     sources = library.sources()

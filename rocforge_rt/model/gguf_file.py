@@ -9,6 +9,7 @@ what was found and the fix.
 """
 
 import functools
+import mmap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +45,7 @@ class WeightTensor:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order: (n_out, n_in) for 2-D weights, (n,) for norms
     data: np.ndarray  # quantized: uint8 (n_out, row_bytes); F32/F16 as such; BF16 as uint16
+    mapping: mmap.mmap | None = None  # the file mapping `data` views (None: in memory)
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +105,8 @@ class _BoundedReader(gguf.GGUFReader):
 
     def __init__(self, path: Path, should_stop: Callable[[], bool] | None) -> None:
         self._should_stop = should_stop
+        self._path = path
+        self.mapping: mmap.mmap | None = None  # the file, mapped read-only (`data`)
         super().__init__(path, "r")
 
     @property
@@ -110,11 +114,14 @@ class _BoundedReader(gguf.GGUFReader):
         return self._data
 
     @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        # The same mapping as a plain array: gguf-py takes a view of it for each part of
-        # each field (some 150,000 for a 49k-token vocabulary), and np.memmap's views cost
-        # 3x a plain array's (seconds of a warm start).
-        self._data = mapped.view(np.ndarray)
+    def data(self, _memmap: np.ndarray) -> None:
+        # gguf-py maps the file as an np.memmap; this reader maps it itself and reads it as
+        # a plain array: gguf-py takes a view of it for each part of each field (some 150,000
+        # for a 49k-token vocabulary), np.memmap's cost 3x a plain array's (seconds of a
+        # warm start), and the tensors keep the mapping (`WeightTensor.mapping`).
+        with self._path.open("rb") as f:
+            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self.mapping, np.uint8)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
         if self._should_stop is not None and self._should_stop():
@@ -127,7 +134,7 @@ class _BoundedReader(gguf.GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
 
-def open_gguf(path: str | Path, should_stop: Callable[[], bool] | None = None) -> gguf.GGUFReader:
+def open_gguf(path: str | Path, should_stop: Callable[[], bool] | None = None) -> _BoundedReader:
     """A read-only GGUFReader on `path`; any unreadable file raises ModelFormatError, and
     `should_stop` stops the reading (LoadCancelled)."""
     path = Path(path)
@@ -380,21 +387,19 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], tuple[Q, .
     return spec
 
 
-def _weight_tensor(t: gguf.ReaderTensor) -> WeightTensor:
+def _weight_tensor(t: gguf.ReaderTensor, mapping: mmap.mmap | None) -> WeightTensor:
     data = t.data.view(np.uint16) if t.tensor_type == Q.BF16 else t.data
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return WeightTensor(t.name, Q(t.tensor_type), shape, data)
+    return WeightTensor(t.name, Q(t.tensor_type), shape, data, mapping)
 
 
-def model_from_reader(
-    path: Path, reader: gguf.GGUFReader, *, check_types: bool = True
-) -> ModelFile:
+def model_from_reader(path: Path, reader: _BoundedReader, *, check_types: bool = True) -> ModelFile:
     """Validate an open GGUF as a llama model.
 
     `check_types=False` checks everything but tensor types (the converter's source check).
     """
     meta = read_metadata(reader)
-    tensors = {t.name: _weight_tensor(t) for t in reader.tensors}
+    tensors = {t.name: _weight_tensor(t, reader.mapping) for t in reader.tensors}
     embd = tensors.get("token_embd.weight")
     hp = _read_hparams(path, meta, embd.shape[0] if embd else 0, "output.weight" not in tensors)
     hp = replace(hp, rope_freq_factors=_rope_freq_factors(path, tensors, hp.rope_dims))
